@@ -1,0 +1,94 @@
+// The Python module of one variant. Compiled WITHOUT the variant's ISA flags: the first thing the
+// module does is check (CPUID) that the CPU can run the rest, and refuse to load otherwise.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "engine.h"
+#include "kernels.h"
+
+namespace nb = nanobind;
+using kt::bf16_t;
+
+// bf16 tensors cross as int16 views (DLPack has bf16, but one integer type keeps this simple).
+template <typename T, typename... Shape>
+using CpuArray = nb::ndarray<T, nb::c_contig, nb::device::cpu, Shape...>;
+using Bf16In3 = CpuArray<const int16_t, nb::ndim<3>>;
+using Bf16In2 = CpuArray<const int16_t, nb::ndim<2>>;
+using Bf16Out2 = CpuArray<int16_t, nb::ndim<2>>;
+
+namespace {
+
+void require(bool condition, const char* message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+const bf16_t* bf16_data(const int16_t* p) { return reinterpret_cast<const bf16_t*>(p); }
+
+}  // namespace
+
+NB_MODULE(KT_MODULE_NAME, m) {
+  kt::require_cpu_support(KT_VARIANT_NAME);  // throws -> ImportError, before any ISA code runs
+  kt::init_kernels();
+
+  m.doc() = "kt_kernel compiled kernels, " KT_VARIANT_NAME " build";
+  m.attr("VARIANT") = KT_VARIANT_NAME;
+
+  m.def("kernel_info", [] {
+    const kt::KernelInfo info = kt::kernel_info();
+    nb::dict d;
+    d["variant"] = KT_VARIANT_NAME;
+    d["kernels"] = info.isa;
+    d["bf16_path"] = info.bf16_path;
+    return d;
+  }, "Which kernels this build runs on this CPU.");
+
+  m.def("cpu_features", [] {
+    const kt::CpuFeatures f = kt::detect_cpu_features();
+    nb::dict d;
+    d["avx2"] = f.avx2, d["fma"] = f.fma, d["f16c"] = f.f16c;
+    d["avx512f"] = f.avx512f, d["avx512bw"] = f.avx512bw, d["avx512vl"] = f.avx512vl, d["avx512dq"] = f.avx512dq;
+    d["avx512_bf16"] = f.avx512_bf16, d["avx512_vnni"] = f.avx512_vnni;
+    d["amx_tile"] = f.amx_tile, d["amx_int8"] = f.amx_int8, d["amx_bf16"] = f.amx_bf16;
+    return d;
+  }, "CPU features as CPUID/XGETBV report them.");
+
+  nb::class_<kt::MoEEngine>(m, "MoEEngine")
+      .def("__init__",
+           [](kt::MoEEngine* self, int num_experts, int top_k, int hidden, int intermediate, int threads,
+              const std::vector<int>& skip_experts) {
+             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, threads, skip_experts);
+           },
+           nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"),
+           nb::arg("threads"), nb::arg("skip_experts"))
+      .def("load_bf16",
+           [](kt::MoEEngine& engine, Bf16In3 gate, Bf16In3 up, Bf16In3 down,
+              CpuArray<const int64_t, nb::ndim<1>> source_of_slot) {
+             require(gate.shape(0) == up.shape(0) && gate.shape(0) == down.shape(0),
+                     "gate, up and down must hold the same number of experts");
+             require(gate.shape(1) == up.shape(1) && gate.shape(2) == up.shape(2) &&
+                         down.shape(1) == gate.shape(2) && down.shape(2) == gate.shape(1),
+                     "gate/up must be [E, I, H] and down [E, H, I]");
+             engine.load_bf16(bf16_data(gate.data()), bf16_data(up.data()), bf16_data(down.data()),
+                              int(gate.shape(0)), source_of_slot.data());
+           },
+           nb::call_guard<nb::gil_scoped_release>(), "Copy and pack bf16 weights (shapes checked in Python).")
+      .def("submit",
+           [](kt::MoEEngine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>> ids,
+              CpuArray<const float, nb::ndim<2>> weights, Bf16Out2 out) {
+             require(ids.shape(0) == hidden.shape(0) && weights.shape(0) == hidden.shape(0) &&
+                         ids.shape(1) == weights.shape(1) && out.shape(0) == hidden.shape(0) &&
+                         out.shape(1) == hidden.shape(1),
+                     "hidden, ids, weights and out disagree in shape");
+             engine.submit(bf16_data(hidden.data()), int(hidden.shape(0)), ids.data(), weights.data(),
+                           reinterpret_cast<bf16_t*>(out.data()));
+           },
+           "Start a forward; hidden and out must stay alive until sync().")
+      .def("sync", &kt::MoEEngine::sync, nb::call_guard<nb::gil_scoped_release>())
+      .def("release_scratch", &kt::MoEEngine::release_scratch)
+      .def_prop_ro("pending", &kt::MoEEngine::pending);
+}

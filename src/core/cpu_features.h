@@ -1,0 +1,25 @@
+// What the running CPU (and OS) can execute, from CPUID / XGETBV. cpu_features.cpp is compiled
+// WITHOUT the variant's ISA flags, so these checks run safely on any x86-64 CPU.
+#pragma once
+
+#include <string>
+
+#include "common.h"
+
+KT_NAMESPACE_BEGIN
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512_bf16 = false, avx512_vnni = false;
+  bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
+};
+
+// Flags are reported only where the OS also saves the registers they need (XCR0).
+CpuFeatures detect_cpu_features();
+
+// Throws std::runtime_error (an ImportError at module load) naming what this CPU lacks for the
+// given build ("avx2", "avx512" or "amx"); for "amx" also asks Linux for AMX tile permission.
+void require_cpu_support(const std::string& variant);
+
+KT_NAMESPACE_END

@@ -1,0 +1,236 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "bf16.h"
+#include "kernels.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+// Work is split into tasks of kBlockGroups weight groups (64 output rows): small enough to spread
+// one expert over many threads in decode, large enough to reuse activations in prefill.
+constexpr int kBlockGroups = 4;
+constexpr int kBlockCols = kBlockGroups * kGroupRows;
+
+// exp(x) as 2^n * 2^f, f in [0, 1) by a degree-6 polynomial (relative error ~1e-7): written so
+// the compiler vectorizes the SwiGLU loop with the variant's ISA.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t exponent_bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &exponent_bits, sizeof(scale));
+  return p * scale;
+}
+
+void silu_mul_to_bf16(const float* gate, const float* up, int count, bf16_t* out) {
+  for (int c = 0; c < count; ++c) out[c] = float_to_bf16(gate[c] / (1.0f + fast_exp(-gate[c])) * up[c]);
+}
+
+void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
+
+}  // namespace
+
+MoEEngine::MoEEngine(MoEShape shape, int threads, const std::vector<int>& skip_experts)
+    : shape_(shape),
+      hidden_stride_(round_up(shape.hidden, 32)),
+      inter_stride_(round_up(shape.intermediate, 32)),
+      pool_((require(threads >= 1, "cpuinfer_threads must be >= 1"), threads)) {
+  require(shape.num_experts >= 1, "num_experts must be >= 1");
+  require(shape.top_k >= 1 && shape.top_k <= shape.num_experts,
+          "num_experts_per_tok must be in [1, num_experts]");
+  require(shape.hidden >= 1 && shape.intermediate >= 1, "hidden_size and moe_intermediate_size must be >= 1");
+  skip_.assign(shape.num_experts, 0);
+  for (int e : skip_experts) {
+    require(e >= 0 && e < shape.num_experts, "gpu_experts_mask names an expert outside [0, num_experts)");
+    skip_[e] = 1;
+  }
+  scratch_.resize(threads);
+}
+
+MoEEngine::~MoEEngine() {
+  if (pending_) pool_.wait();
+}
+
+void MoEEngine::load_bf16(const bf16_t* gate, const bf16_t* up, const bf16_t* down, int num_sources,
+                          const int64_t* source_of_slot) {
+  if (pending_) throw std::logic_error("cannot load weights while a forward is in flight; call sync first");
+  const int E = shape_.num_experts, H = shape_.hidden, I = shape_.intermediate;
+  for (int slot = 0; slot < E; ++slot)
+    require(source_of_slot[slot] >= 0 && source_of_slot[slot] < num_sources,
+            "physical_to_logical_map_cpu[" + std::to_string(slot) + "] = " +
+                std::to_string(source_of_slot[slot]) + " is outside [0, " + std::to_string(num_sources) + ")");
+  gate_up_expert_elems_ = packed_groups(I) * packed_group_elems(H);
+  down_expert_elems_ = packed_groups(H) * packed_group_elems(I);
+  gate_.reserve(E * gate_up_expert_elems_);
+  up_.reserve(E * gate_up_expert_elems_);
+  down_.reserve(E * down_expert_elems_);
+  // Packed by the pool's threads, so each expert's pages are first touched by a worker.
+  pool_.run([&](int worker) {
+    for (int slot = worker; slot < E; slot += pool_.size()) {
+      if (skip_[slot]) continue;
+      const size_t source = size_t(source_of_slot[slot]);
+      pack_bf16(gate + source * I * H, I, H, gate_.data() + slot * gate_up_expert_elems_);
+      pack_bf16(up + source * I * H, I, H, up_.data() + slot * gate_up_expert_elems_);
+      pack_bf16(down + source * H * I, H, I, down_.data() + slot * down_expert_elems_);
+    }
+  });
+  loaded_ = true;
+}
+
+void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
+                       bf16_t* out) {
+  if (!loaded_) throw std::logic_error("weights are not loaded");
+  if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
+  require(tokens >= 1, "the engine needs at least one token");
+  const int E = shape_.num_experts, K = shape_.top_k;
+
+  // Bucket the routed (token, expert) pairs by expert: count, then place.
+  expert_rows_.assign(E, 0);
+  for (int t = 0; t < tokens; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int64_t id = ids[size_t(t) * K + k];
+      if (id == -1) continue;
+      require(id >= 0 && id < E, "topk_ids[" + std::to_string(t) + ", " + std::to_string(k) + "] = " +
+                                     std::to_string(id) + " is outside [-1, " + std::to_string(E) + ")");
+      if (!skip_[id]) ++expert_rows_[id];
+    }
+  active_experts_.clear();
+  route_offset_.clear();
+  int total_rows = 0, max_rows = 0;
+  for (int e = 0; e < E; ++e) {
+    const int rows = expert_rows_[e];
+    if (rows == 0) continue;
+    active_experts_.push_back(e);
+    route_offset_.push_back(total_rows);
+    expert_rows_[e] = total_rows;  // from here on: the next free row of expert e
+    total_rows += rows;
+    max_rows = std::max(max_rows, rows);
+  }
+  route_offset_.push_back(total_rows);
+  route_token_.resize(total_rows);
+  route_weight_.resize(total_rows);
+  for (int t = 0; t < tokens; ++t)
+    for (int k = 0; k < K; ++k) {
+      const int64_t id = ids[size_t(t) * K + k];
+      if (id == -1 || skip_[id]) continue;
+      const int row = expert_rows_[id]++;
+      route_token_[row] = t;
+      route_weight_[row] = weights[size_t(t) * K + k];
+    }
+
+  // Buffers only grow, so steady-state calls allocate nothing.
+  hidden_.reserve(size_t(tokens) * hidden_stride_);
+  activation_.reserve(size_t(total_rows) * inter_stride_);
+  for (ThreadScratch& s : scratch_) {
+    s.gate.reserve(size_t(max_rows) * kBlockCols);
+    s.up.reserve(size_t(max_rows) * kBlockCols);
+    s.down.reserve(size_t(max_rows) * kBlockCols);
+    s.acc.reserve(size_t(tokens) * kBlockCols);
+  }
+
+  hidden_in_ = hidden;
+  out_ = out;
+  tokens_ = tokens;
+  gate_up_tasks_ = int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), kBlockGroups);
+  down_tasks_ = ceil_div(packed_groups(shape_.hidden), kBlockGroups);
+  next_gate_up_task_.store(0);
+  next_down_task_.store(0);
+  pool_.start([this](int worker) { forward_worker(worker); });
+  pending_ = true;
+}
+
+void MoEEngine::sync() {
+  if (!pending_) throw std::logic_error("sync without a submitted forward");
+  pool_.wait();
+  pending_ = false;
+}
+
+void MoEEngine::release_scratch() {
+  if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
+  hidden_.release();
+  activation_.release();
+  for (ThreadScratch& s : scratch_) s = ThreadScratch{};
+}
+
+void MoEEngine::forward_worker(int worker) {
+  const int H = shape_.hidden;
+  for (int t = worker; t < tokens_; t += pool_.size()) {
+    bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
+    std::memcpy(row, hidden_in_ + size_t(t) * H, H * sizeof(bf16_t));
+    std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
+  }
+  pool_.barrier();
+  for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
+    gate_up_task(task, scratch_[worker]);
+  pool_.barrier();
+  for (int block; (block = next_down_task_.fetch_add(1, std::memory_order_relaxed)) < down_tasks_;)
+    down_task(block, scratch_[worker]);
+}
+
+// One expert x one block of intermediate rows: gate and up for all its tokens, then SwiGLU.
+void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
+  const int H = shape_.hidden, groups = packed_groups(shape_.intermediate);
+  const int blocks = ceil_div(groups, kBlockGroups);
+  const int active = task / blocks, g0 = task % blocks * kBlockGroups;
+  const int block_groups = std::min(kBlockGroups, groups - g0);
+  const int expert = active_experts_[active];
+  const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
+  const size_t weight_offset = expert * gate_up_expert_elems_ + g0 * packed_group_elems(H);
+  const int32_t* tokens = route_token_.data() + first;
+
+  gemm_bf16(hidden_.data(), hidden_stride_, tokens, rows, gate_.data() + weight_offset, H, block_groups,
+            s.gate.data(), kBlockCols);
+  gemm_bf16(hidden_.data(), hidden_stride_, tokens, rows, up_.data() + weight_offset, H, block_groups,
+            s.up.data(), kBlockCols);
+  for (int i = 0; i < rows; ++i)
+    silu_mul_to_bf16(s.gate.data() + i * kBlockCols, s.up.data() + i * kBlockCols, block_groups * kGroupRows,
+                     activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
+}
+
+// One block of output columns for every token: down projections of all active experts, weighted
+// and summed in fp32, written once as bf16. Tasks own disjoint columns, so no atomics are needed.
+void MoEEngine::down_task(int block, ThreadScratch& s) {
+  const int H = shape_.hidden, I = shape_.intermediate;
+  const int g0 = block * kBlockGroups, block_groups = std::min(kBlockGroups, packed_groups(H) - g0);
+  const int block_cols = block_groups * kGroupRows;
+  float* acc = s.acc.data();
+  std::memset(acc, 0, size_t(tokens_) * kBlockCols * sizeof(float));
+  for (size_t active = 0; active < active_experts_.size(); ++active) {
+    const int expert = active_experts_[active];
+    const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
+    gemm_bf16(activation_.data() + size_t(first) * inter_stride_, inter_stride_, nullptr, rows,
+              down_.data() + expert * down_expert_elems_ + g0 * packed_group_elems(I), I, block_groups,
+              s.down.data(), kBlockCols);
+    for (int i = 0; i < rows; ++i) {
+      const float weight = route_weight_[first + i];
+      const float* y = s.down.data() + i * kBlockCols;
+      float* dst = acc + size_t(route_token_[first + i]) * kBlockCols;
+      for (int c = 0; c < block_cols; ++c) dst[c] += weight * y[c];
+    }
+  }
+  const int col0 = g0 * kGroupRows, cols = std::min(block_cols, H - col0);
+  for (int t = 0; t < tokens_; ++t) {
+    bf16_t* dst = out_ + size_t(t) * H + col0;
+    const float* src = acc + size_t(t) * kBlockCols;
+    for (int c = 0; c < cols; ++c) dst[c] = float_to_bf16(src[c]);
+  }
+}
+
+KT_NAMESPACE_END

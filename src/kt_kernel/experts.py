@@ -1,0 +1,283 @@
+"""KTMoEWrapper: the upstream-compatible entry point to the CPU expert engine."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from ._native import ext
+
+#: Method names accepted, upstream aliases included, mapped to the weight format they mean.
+METHOD_FORMATS: dict[str, str] = {
+    "BF16": "BF16",
+    "INT8": "INT8",
+    "AMXINT8": "INT8",
+    "INT4": "INT4",
+    "AMXINT4": "INT4",
+    "MXFP4": "MXFP4",
+}
+#: Formats the engine runs today.
+IMPLEMENTED_FORMATS = ("BF16",)
+_FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _require_cpu_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {value.device}")
+    return value
+
+
+def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(tensor.shape)}")
+
+
+class KTMoEWrapper:
+    """Routed experts of one MoE layer, computed on the CPU.
+
+    ``forward`` returns ``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
+    with ``e = topk_ids[t,k]``; id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
+    Keyword names follow upstream kt-kernel. ``cuda_stream`` is accepted and unused (CPU only);
+    ``cpu_save`` and ``numa_nodes`` are accepted and stored.
+    """
+
+    _capture_batch_sizes: ClassVar[list[int]] = []
+    _instances: ClassVar[weakref.WeakSet[KTMoEWrapper]] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        gpu_experts_mask: torch.Tensor | Sequence[bool] | None,
+        cpuinfer_threads: int,
+        threadpool_count: int,
+        weight_path: str | None,
+        chunked_prefill_size: int,
+        cpu_save: bool = False,
+        max_deferred_experts_per_token: int | None = None,
+        method: str = "AMXINT4",
+        numa_nodes: Sequence[int] | None = None,
+    ) -> None:
+        self.layer_idx = _require_int("layer_idx", layer_idx, 0)
+        self.num_experts = _require_int("num_experts", num_experts, 1)
+        self.num_experts_per_tok = _require_int("num_experts_per_tok", num_experts_per_tok, 1)
+        if num_experts_per_tok > num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({num_experts_per_tok}) cannot exceed num_experts ({num_experts})"
+            )
+        self.hidden_size = _require_int("hidden_size", hidden_size, 1)
+        self.moe_intermediate_size = _require_int("moe_intermediate_size", moe_intermediate_size, 1)
+        self.cpuinfer_threads = _require_int("cpuinfer_threads", cpuinfer_threads, 1)
+        self.threadpool_count = _require_int("threadpool_count", threadpool_count, 1)
+        if threadpool_count > 1:
+            raise NotImplementedError("threadpool_count > 1 (NUMA subpools) is not supported yet; pass 1")
+        self.chunked_prefill_size = _require_int("chunked_prefill_size", chunked_prefill_size, 1)
+        if max_deferred_experts_per_token is not None and max_deferred_experts_per_token > 0:
+            raise NotImplementedError(
+                "deferred experts are not supported yet: max_deferred_experts_per_token must be None or 0"
+            )
+        self.method = self._check_method(method)
+        self.weight_path = weight_path
+        self.cpu_save = bool(cpu_save)
+        self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
+        self.gpu_experts_mask = self._check_gpu_mask(gpu_experts_mask)
+        skip = torch.nonzero(self.gpu_experts_mask).flatten().tolist()
+        self._engine = ext.MoEEngine(num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size,
+                                     cpuinfer_threads, skip)
+        self._loaded = False
+        self._in_flight: tuple[torch.Tensor, ...] | None = None
+        KTMoEWrapper._instances.add(self)
+
+    # ---- construction helpers ---------------------------------------------------------------
+    @staticmethod
+    def _check_method(method: object) -> str:
+        if not isinstance(method, str) or method.upper() not in METHOD_FORMATS:
+            raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHOD_FORMATS)}")
+        weight_format = METHOD_FORMATS[method.upper()]
+        if weight_format not in IMPLEMENTED_FORMATS:
+            raise NotImplementedError(
+                f"method {method!r} ({weight_format} weights) is not implemented yet; "
+                f"available: {', '.join(IMPLEMENTED_FORMATS)}"
+            )
+        return weight_format
+
+    def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
+        if mask is None:
+            return torch.zeros(self.num_experts, dtype=torch.bool)
+        mask = torch.as_tensor(mask)
+        if mask.device.type != "cpu":
+            mask = mask.cpu()  # a mask is tiny; a GPU-side one is welcome
+        if mask.dtype != torch.bool:
+            raise TypeError(f"gpu_experts_mask must be a bool tensor, got {mask.dtype}")
+        _require_shape("gpu_experts_mask", mask, (self.num_experts,), "[num_experts]")
+        return mask.clone()
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load_weights_from_tensors(
+        self,
+        gate_proj: torch.Tensor,
+        up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        physical_to_logical_map_cpu: torch.Tensor | None = None,
+    ) -> None:
+        """Copy expert weights into engine-owned memory in the method's format.
+
+        gate_proj, up_proj: [E, I, H]; down_proj: [E, H, I]; bf16, fp16 or fp32 on the CPU.
+        physical_to_logical_map_cpu[p] is the expert (first dim of the tensors) whose weights
+        physical slot p holds; topk_ids name physical slots. Default: identity (E = num_experts).
+        Nothing refers to the given tensors after this returns.
+        """
+        self._require_idle("load weights")
+        H, intermediate = self.hidden_size, self.moe_intermediate_size
+        tensors = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
+        for name, tensor in tensors.items():
+            _require_cpu_tensor(name, tensor)
+            if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
+                raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
+            if tensor.dim() != 3:
+                raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
+        sources = gate_proj.shape[0]
+        _require_shape("gate_proj", gate_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]")
+        _require_shape("up_proj", up_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]")
+        _require_shape("down_proj", down_proj, (sources, H, intermediate), "[E, hidden_size, moe_intermediate_size]")
+        slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
+        as_bits = [t.to(torch.bfloat16).contiguous().view(torch.int16) for t in tensors.values()]
+        self._engine.load_bf16(*as_bits, slot_map)
+        self._loaded = True
+
+    def _check_slot_map(self, slot_map: torch.Tensor | None, sources: int) -> torch.Tensor:
+        if slot_map is None:
+            if sources != self.num_experts:
+                raise ValueError(
+                    f"the weight tensors hold {sources} experts but num_experts is {self.num_experts}; "
+                    "pass physical_to_logical_map_cpu to map slots to experts"
+                )
+            return torch.arange(self.num_experts, dtype=torch.int64)
+        slot_map = _require_cpu_tensor("physical_to_logical_map_cpu", slot_map)
+        if slot_map.dtype.is_floating_point or slot_map.dtype.is_complex or slot_map.dtype == torch.bool:
+            raise TypeError(f"physical_to_logical_map_cpu must be an integer tensor, got {slot_map.dtype}")
+        _require_shape("physical_to_logical_map_cpu", slot_map, (self.num_experts,), "[num_experts]")
+        slot_map = slot_map.to(torch.int64).contiguous()
+        if slot_map.numel() and (slot_map.min() < 0 or slot_map.max() >= sources):
+            raise ValueError(f"physical_to_logical_map_cpu values must lie in [0, {sources})")
+        return slot_map
+
+    def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
+        """Load this layer's experts from ``weight_path`` (not available for BF16 yet)."""
+        raise NotImplementedError(
+            "loading weights from weight_path is not supported yet; use load_weights_from_tensors"
+        )
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cuda_stream: object | None = None,
+    ) -> torch.Tensor:
+        """Compute the routed experts for hidden_states [T, H] bf16; returns a new [T, H] bf16 tensor."""
+        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        return self.sync_forward(hidden_states, cuda_stream)
+
+    def submit_forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        cuda_stream: object | None = None,
+    ) -> None:
+        """Start a forward and return at once; ``sync_forward`` waits for it and returns the output."""
+        if not self._loaded:
+            raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
+        self._require_idle("submit a forward")
+        x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
+        out = torch.empty_like(x)
+        if x.shape[0] > 0:
+            self._engine.submit(x.view(torch.int16), ids, weights, out.view(torch.int16))
+        self._in_flight = (x, ids, weights, out)  # the engine reads / writes these until sync
+
+    def sync_forward(
+        self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None
+    ) -> torch.Tensor:
+        """Wait for the forward started by ``submit_forward`` and return its [T, H] bf16 output."""
+        if self._in_flight is None:
+            raise RuntimeError("sync_forward called without a submit_forward")
+        x, _, _, out = self._in_flight
+        try:
+            if x.shape[0] > 0:
+                self._engine.sync()
+        finally:
+            self._in_flight = None
+        return out
+
+    def _check_inputs(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = _require_cpu_tensor("hidden_states", hidden_states)
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"hidden_states must be bfloat16, got {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must have shape [tokens, hidden_size={self.hidden_size}], got {list(x.shape)}"
+            )
+        ids = _require_cpu_tensor("topk_ids", topk_ids)
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"topk_ids must be int64 or int32, got {ids.dtype}")
+        weights = _require_cpu_tensor("topk_weights", topk_weights)
+        if not weights.dtype.is_floating_point:
+            raise TypeError(f"topk_weights must be a floating-point tensor, got {weights.dtype}")
+        expected = (x.shape[0], self.num_experts_per_tok)
+        _require_shape("topk_ids", ids, expected, "[tokens, num_experts_per_tok]")
+        _require_shape("topk_weights", weights, expected, "[tokens, num_experts_per_tok]")
+        # Expert ids are range-checked by the engine while it buckets them (ValueError).
+        return (
+            x.contiguous(),
+            ids.to(torch.int64).contiguous(),
+            weights.to(torch.float32).contiguous(),
+        )
+
+    def _require_idle(self, action: str) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
+
+    # ---- upstream class-level buffer management ------------------------------------------------
+    @classmethod
+    def set_capture_batch_sizes(cls, batch_sizes: Sequence[int]) -> None:
+        """Record the batch sizes a CUDA-graph runner captures (kept for upstream compatibility)."""
+        cls._capture_batch_sizes = [_require_int("batch size", int(b), 1) for b in batch_sizes]
+
+    @classmethod
+    def get_capture_batch_sizes(cls) -> list[int]:
+        return list(cls._capture_batch_sizes)
+
+    @classmethod
+    def clear_buffer_cache(cls) -> None:
+        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand)."""
+        for wrapper in list(cls._instances):
+            if wrapper._in_flight is None:
+                wrapper._engine.release_scratch()
+
+    def __repr__(self) -> str:
+        return (
+            f"KTMoEWrapper(layer_idx={self.layer_idx}, num_experts={self.num_experts}, "
+            f"num_experts_per_tok={self.num_experts_per_tok}, hidden_size={self.hidden_size}, "
+            f"moe_intermediate_size={self.moe_intermediate_size}, method={self.method!r}, "
+            f"cpuinfer_threads={self.cpuinfer_threads})"
+        )
