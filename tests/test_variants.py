@@ -1,0 +1,37 @@
+"""The forward suite (test_forward_bf16.py) under every build this CPU can execute, each forced
+with KT_KERNEL_CPU_VARIANT in its own process; AVX512 both with and without its BF16 path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, skip_unless_cpu_runs
+
+RUNS = {
+    "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
+    "avx512-bf16": {"KT_KERNEL_CPU_VARIANT": "avx512"},
+    "avx512-plain": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_DISABLE_AVX512_BF16": "1"},
+    "avx2": {"KT_KERNEL_CPU_VARIANT": "avx2"},
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_forward_suite_under_build(run):
+    env = RUNS[run]
+    skip_unless_cpu_runs(env["KT_KERNEL_CPU_VARIANT"])
+    if run == "avx512-bf16":
+        from conftest import HOST_FLAGS
+
+        if "avx512_bf16" not in HOST_FLAGS:
+            pytest.skip("this CPU has no AVX512_BF16: only the plain AVX512 path can run")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
+         "tests/test_forward_bf16.py"],
+        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-500:]
