@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The test command of the README and of .ci/run: installs what the tests need, builds the wheel
+# once, installs it, and runs the whole suite against the installed package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# torch==2.13.0 is the local CPU build on this kind of machine; asking for it first keeps pip from
+# resolving the unpinned `torch` requirement to a CUDA build.
+python -m pip install -q torch==2.13.0
+python -m pip install -q "nanobind>=2.4" "scikit-build-core>=0.10" safetensors py-cpuinfo pytest cibuildwheel
+
+# qemu-user runs the emulated-Haswell test; objdump (binutils) the ISA purity test.
+if ! command -v qemu-x86_64 >/dev/null || ! command -v objdump >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq qemu-user binutils >/dev/null || echo "warning: qemu-user/binutils not installed"
+  fi
+fi
+
+rm -rf dist
+python -m pip wheel -q --no-deps --no-build-isolation -w dist .
+wheel=$(ls dist/kt_kernel-*.whl)
+python -m pip install -q --no-deps --force-reinstall "$wheel"
+KT_KERNEL_WHEEL="$PWD/$wheel" python -m pytest tests -ra "$@"
