@@ -13,9 +13,19 @@ gate = torch.randn(E, I, H) / H**0.5
 up = torch.randn(E, I, H) / H**0.5
 down = torch.randn(E, H, I) / I**0.5
 
-moe = KTMoEWrapper(layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
-                   gpu_experts_mask=None, cpuinfer_threads=2, threadpool_count=1, weight_path=None,
-                   chunked_prefill_size=512, method="BF16")
+moe = KTMoEWrapper(
+    layer_idx=0,
+    num_experts=E,
+    num_experts_per_tok=K,
+    hidden_size=H,
+    moe_intermediate_size=I,
+    gpu_experts_mask=None,
+    cpuinfer_threads=2,
+    threadpool_count=1,
+    weight_path=None,
+    chunked_prefill_size=512,
+    method="BF16",
+)
 moe.load_weights_from_tensors(gate, up, down)
 
 x = torch.randn(T, H).to(torch.bfloat16)
@@ -34,4 +44,7 @@ for t in range(T):
         act = torch.nn.functional.silu(gate[e].bfloat16().float() @ xt) * (up[e].bfloat16().float() @ xt)
         ref[t] += weights[t, k] * (down[e].bfloat16().float() @ act.bfloat16().float())
 rel = ((out.float() - ref).norm() / ref.norm()).item()
-print(f"build {kt_kernel.__cpu_variant__}: {T} tokens in {elapsed * 1e3:.2f} ms, relative error vs PyTorch {rel:.2e}")
+print(
+    f"build {kt_kernel.__cpu_variant__}: {T} tokens in {elapsed * 1e3:.2f} ms, "
+    f"relative error vs PyTorch {rel:.2e}"
+)

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kt_kernel.loader import REQUIRED_FLAGS, VARIANTS, cpu_flags, missing_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +21,9 @@ def skip_unless_cpu_runs(variant: str) -> None:
         pytest.skip(f"this CPU cannot run the {variant} build: it lacks {' '.join(missing)}")
 
 
-def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (a clean import of kt_kernel) with extra environment."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")}
     full_env.update(env or {})

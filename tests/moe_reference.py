@@ -23,7 +23,9 @@ class MoEProblem:
         return experts, self.ids.shape[1], hidden, inter
 
 
-def random_routing(tokens: int, experts: int, top_k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_routing(
+    tokens: int, experts: int, top_k: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k distinct experts per token, uniformly at random; weights = softmax of normal logits."""
     ids = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k]
     weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1)

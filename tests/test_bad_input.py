@@ -12,17 +12,28 @@ E, K, H, I = 8, 2, 64, 32
 
 def wrapper(**overrides) -> KTMoEWrapper:
     args = dict(
-        layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H, moe_intermediate_size=I,
-        gpu_experts_mask=None, cpuinfer_threads=2, threadpool_count=1, weight_path=None,
-        chunked_prefill_size=512, method="BF16",
+        layer_idx=0,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        gpu_experts_mask=None,
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path=None,
+        chunked_prefill_size=512,
+        method="BF16",
     )
     args.update(overrides)
     return KTMoEWrapper(**args)
 
 
 def weights(experts: int = E, dtype=torch.bfloat16):
-    return (torch.randn(experts, I, H, dtype=dtype), torch.randn(experts, I, H, dtype=dtype),
-            torch.randn(experts, H, I, dtype=dtype))
+    return (
+        torch.randn(experts, I, H, dtype=dtype),
+        torch.randn(experts, I, H, dtype=dtype),
+        torch.randn(experts, H, I, dtype=dtype),
+    )
 
 
 @pytest.fixture
@@ -33,8 +44,11 @@ def loaded() -> KTMoEWrapper:
 
 
 def inputs(tokens: int = 3):
-    return (torch.randn(tokens, H).to(torch.bfloat16), torch.tensor([[0, 1]] * tokens),
-            torch.full((tokens, K), 0.5))
+    return (
+        torch.randn(tokens, H).to(torch.bfloat16),
+        torch.tensor([[0, 1]] * tokens),
+        torch.full((tokens, K), 0.5),
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,7 +64,11 @@ def inputs(tokens: int = 3):
         ({"num_experts": True}, TypeError, "num_experts must be an int"),
         ({"layer_idx": -1}, ValueError, "layer_idx"),
         ({"chunked_prefill_size": 0}, ValueError, "chunked_prefill_size"),
-        ({"gpu_experts_mask": torch.zeros(7, dtype=torch.bool)}, ValueError, "gpu_experts_mask must have shape"),
+        (
+            {"gpu_experts_mask": torch.zeros(7, dtype=torch.bool)},
+            ValueError,
+            "gpu_experts_mask must have shape",
+        ),
         ({"gpu_experts_mask": torch.zeros(8)}, TypeError, "gpu_experts_mask must be a bool tensor"),
         ({"max_deferred_experts_per_token": 2}, NotImplementedError, "deferred experts are not supported"),
         ({"threadpool_count": 2}, NotImplementedError, "NUMA subpools"),
@@ -133,13 +151,23 @@ def test_double_submit(loaded):
         (0, torch.randn(3, H + 1).to(torch.bfloat16), ValueError, "hidden_states must have shape"),
         (0, torch.randn(3, 1, H).to(torch.bfloat16), ValueError, "hidden_states must have shape"),
         (0, "x", TypeError, "hidden_states must be a torch.Tensor"),
-        (0, torch.randn(3, H, device="meta").to(torch.bfloat16), ValueError, "hidden_states must be on the CPU"),
+        (
+            0,
+            torch.randn(3, H, device="meta").to(torch.bfloat16),
+            ValueError,
+            "hidden_states must be on the CPU",
+        ),
         (1, torch.tensor([[0, 1]] * 3, dtype=torch.float32), TypeError, "topk_ids must be int64 or int32"),
         (1, torch.tensor([[0, 1, 2]] * 3), ValueError, "topk_ids must have shape"),
         (1, torch.tensor([[0, 1]] * 2), ValueError, "topk_ids must have shape"),
         (2, torch.full((3, 3), 0.5), ValueError, "topk_weights must have shape"),
         (2, torch.ones(3, K, dtype=torch.int64), TypeError, "topk_weights must be a floating-point"),
-        (1, torch.tensor([[0, 1], [0, 8], [2, 3]]), ValueError, "topk_ids\\[1, 1\\] = 8 is outside \\[-1, 8\\)"),
+        (
+            1,
+            torch.tensor([[0, 1], [0, 8], [2, 3]]),
+            ValueError,
+            "topk_ids\\[1, 1\\] = 8 is outside \\[-1, 8\\)",
+        ),
         (1, torch.tensor([[0, 1], [0, 1], [-2, 3]]), ValueError, "topk_ids\\[2, 0\\] = -2 is outside"),
     ],
 )

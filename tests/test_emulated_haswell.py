@@ -33,7 +33,10 @@ def test_import_and_forward_under_emulated_haswell():
     env["PYTHONPATH"] = str(REPO / "tests")
     result = subprocess.run(
         [QEMU, "-cpu", "Haswell-v4", sys.executable, "-c", SCRIPT],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "VARIANT avx2 avx2" in result.stdout

@@ -20,9 +20,17 @@ def make_wrapper(p, threads: int = 2, gpu_experts_mask=None, slot_map=None) -> K
     _, top_k, hidden, inter = p.shape
     experts = len(slot_map) if slot_map is not None else p.gate.shape[0]
     moe = KTMoEWrapper(
-        layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
-        moe_intermediate_size=inter, gpu_experts_mask=gpu_experts_mask, cpuinfer_threads=threads,
-        threadpool_count=1, weight_path=None, chunked_prefill_size=512, method="BF16",
+        layer_idx=0,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        gpu_experts_mask=gpu_experts_mask,
+        cpuinfer_threads=threads,
+        threadpool_count=1,
+        weight_path=None,
+        chunked_prefill_size=512,
+        method="BF16",
     )
     if slot_map is None:
         moe.load_weights_from_tensors(p.gate, p.up, p.down)

@@ -15,7 +15,9 @@ import kt_kernel
 
 LEGACY_PREFIXES = {0x66, 0x67, 0xF2, 0xF3, 0x2E, 0x3E, 0x26, 0x64, 0x65, 0x36, 0xF0}
 AVX512_REGISTER = re.compile(r"%zmm\d|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b")
-AMX_MNEMONIC = re.compile(r"^(ldtilecfg|sttilecfg|tilerelease|tilezero|tileloadd|tileloaddt1|tilestored|tdp\w+)$")
+AMX_MNEMONIC = re.compile(
+    r"^(ldtilecfg|sttilecfg|tilerelease|tilezero|tileloadd|tileloaddt1|tilestored|tdp\w+)$"
+)
 
 
 def is_evex(raw_bytes: list[int]) -> bool:
@@ -46,8 +48,9 @@ def instruction_classes(variant: str) -> dict[str, list[str]]:
     if shutil.which("objdump") is None:
         pytest.skip("objdump (binutils) is not installed")
     (module,) = Path(kt_kernel.__file__).parent.glob(f"_kt_kernel_{variant}.*so")
-    listing = subprocess.run(["objdump", "-d", "-w", str(module)],
-                             capture_output=True, text=True, check=True).stdout
+    listing = subprocess.run(
+        ["objdump", "-d", "-w", str(module)], capture_output=True, text=True, check=True
+    ).stdout
     hits: dict[str, list[str]] = {"avx512": [], "amx": []}
     for line in listing.splitlines():
         for isa in classify(line):

@@ -11,10 +11,10 @@ from types import ModuleType
 
 import pytest
 from conftest import HOST_FLAGS, run_python
+from kt_kernel.loader import select_variant
 
 import kt_kernel
 from kt_kernel import loader
-from kt_kernel.loader import select_variant
 
 CPUINFO = Path(__file__).parent / "data" / "cpuinfo"
 EXPECTED: dict[str, str | None] = json.loads((CPUINFO / "expected.json").read_text())
@@ -63,8 +63,16 @@ SPR = "intel_sapphire_rapids_xeon_8480.txt"
 @pytest.mark.parametrize(
     "override,expected",
     [
-        ("avx2", "avx2"), ("AVX512", "avx512"), ("  amx ", "amx"), ("auto", "amx"), ("", "amx"), (None, "amx"),
-        (" Auto ", "amx"), ("avx512_bf16", "avx512"), ("avx512_vnni", "avx512"), ("avx512_vbmi", "avx512"),
+        ("avx2", "avx2"),
+        ("AVX512", "avx512"),
+        ("  amx ", "amx"),
+        ("auto", "amx"),
+        ("", "amx"),
+        (None, "amx"),
+        (" Auto ", "amx"),
+        ("avx512_bf16", "avx512"),
+        ("avx512_vnni", "avx512"),
+        ("avx512_vbmi", "avx512"),
         ("AVX512_BASE", "avx512"),
     ],
 )
@@ -176,5 +184,7 @@ def test_cpu_info_and_cli():
     assert result.returncode == 0, result.stderr
     assert f"build in use      : {kt_kernel.__cpu_variant__}" in result.stdout
     assert "builds present    : amx avx512 avx2" in result.stdout
-    as_json = subprocess.run([sys.executable, "-m", "kt_kernel", "info", "--json"], capture_output=True, text=True)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "kt_kernel", "info", "--json"], capture_output=True, text=True
+    )
     assert json.loads(as_json.stdout)["variant"] == kt_kernel.__cpu_variant__

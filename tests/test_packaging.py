@@ -22,8 +22,20 @@ def wheel(tmp_path_factory) -> Path:
         pytest.skip("under cibuildwheel the wheel under test was built (and installed) by cibuildwheel")
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(REPO)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     (built,) = out.glob("kt_kernel-*.whl")
     return built
@@ -32,7 +44,9 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_holds_three_builds_and_the_loader(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for variant in ("amx", "avx512", "avx2"):
-        assert [n for n in names if n.startswith(f"kt_kernel/_kt_kernel_{variant}.") and n.endswith(".so")], names
+        assert [n for n in names if n.startswith(f"kt_kernel/_kt_kernel_{variant}.") and n.endswith(".so")], (
+            names
+        )
     for module in ("kt_kernel/__init__.py", "kt_kernel/loader/__init__.py", "kt_kernel/loader/select.py"):
         assert module in names
 
@@ -42,10 +56,15 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(wheel, tmp_path):
     # System site-packages only supply torch & co.; kt_kernel itself comes from the wheel.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)], check=True)
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+        check=True,
+    )
     result = subprocess.run(
         [python, "-c", "import kt_kernel; print(kt_kernel.__file__); print(kt_kernel.__cpu_variant__)"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")},
     )
     assert result.returncode == 0, result.stderr
@@ -59,7 +78,10 @@ def test_cibuildwheel_matrix():
         pytest.skip("cibuildwheel is not installed")
     result = subprocess.run(
         ["cibuildwheel", "--print-build-identifiers", "--platform", "linux"],
-        cwd=REPO, capture_output=True, text=True, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     identifiers = set(result.stdout.split())
     for python in ("cp310", "cp311", "cp312", "cp313"):

@@ -29,9 +29,24 @@ def test_forward_suite_under_build(run):
             pytest.skip("this CPU has no AVX512_BF16: only the plain AVX512 path can run")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error::RuntimeWarning",
-         "tests/test_forward_bf16.py"],
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "error::RuntimeWarning",
+            "tests/test_forward_bf16.py",
+        ],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-500:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[
+        -500:
+    ]

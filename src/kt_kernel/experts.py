@@ -98,8 +98,9 @@ class KTMoEWrapper:
         self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
         self.gpu_experts_mask = self._check_gpu_mask(gpu_experts_mask)
         skip = torch.nonzero(self.gpu_experts_mask).flatten().tolist()
-        self._engine = ext.MoEEngine(num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size,
-                                     cpuinfer_threads, skip)
+        self._engine = ext.MoEEngine(
+            num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size, cpuinfer_threads, skip
+        )
         self._loaded = False
         self._in_flight: tuple[torch.Tensor, ...] | None = None
         KTMoEWrapper._instances.add(self)
@@ -153,9 +154,15 @@ class KTMoEWrapper:
             if tensor.dim() != 3:
                 raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
         sources = gate_proj.shape[0]
-        _require_shape("gate_proj", gate_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]")
-        _require_shape("up_proj", up_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]")
-        _require_shape("down_proj", down_proj, (sources, H, intermediate), "[E, hidden_size, moe_intermediate_size]")
+        _require_shape(
+            "gate_proj", gate_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]"
+        )
+        _require_shape(
+            "up_proj", up_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]"
+        )
+        _require_shape(
+            "down_proj", down_proj, (sources, H, intermediate), "[E, hidden_size, moe_intermediate_size]"
+        )
         slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
         as_bits = [t.to(torch.bfloat16).contiguous().view(torch.int16) for t in tensors.values()]
         self._engine.load_bf16(*as_bits, slot_map)
