@@ -10,6 +10,7 @@
 #include "cpu_features.h"
 #include "engine.h"
 #include "kernels.h"
+#include "machine_probe.h"
 
 namespace nb = nanobind;
 using kt::bf16_t;
@@ -56,6 +57,17 @@ NB_MODULE(KT_MODULE_NAME, m) {
     d["amx_tile"] = f.amx_tile, d["amx_int8"] = f.amx_int8, d["amx_bf16"] = f.amx_bf16;
     return d;
   }, "CPU features as CPUID/XGETBV report them.");
+
+  m.def("measure_read_bandwidth", &kt::measure_read_bandwidth, nb::arg("threads"), nb::arg("bytes"),
+        nb::arg("repeats") = 5, nb::call_guard<nb::gil_scoped_release>(),
+        "Median DRAM read bandwidth (GB/s) of a streaming read on `threads` threads.");
+  m.def("measure_peak_gflops",
+        [](int threads, const std::string& op) {
+          if (op != "fma_f32" && op != "dpbf16") throw std::invalid_argument("op must be fma_f32 or dpbf16");
+          return kt::measure_peak_gflops(threads, op == "fma_f32" ? kt::PeakOp::kFmaF32 : kt::PeakOp::kDpBf16);
+        },
+        nb::arg("threads"), nb::arg("op"), nb::call_guard<nb::gil_scoped_release>(),
+        "Peak GFLOP/s of fp32 FMA ('fma_f32') or vdpbf16ps ('dpbf16'); 0 where this build/CPU lacks it.");
 
   nb::class_<kt::MoEEngine>(m, "MoEEngine")
       .def("__init__",

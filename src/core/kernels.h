@@ -28,6 +28,12 @@ void pack_bf16(const bf16_t* weights, int rows, int k, bf16_t* packed);
 void gemm_bf16(const bf16_t* x, size_t x_stride, const int32_t* row_ids, int m, const bf16_t* packed,
                int k, int groups, float* y, size_t y_stride);
 
+// ---- Machine-limit probes (for the benchmark) -------------------------------------------------
+enum class PeakOp { kFmaF32, kDpBf16 };
+// Runs `iterations` rounds of independent multiply-adds of kind `op` on the calling thread and
+// returns the flops done (0 when this build or CPU cannot execute `op`).
+double peak_probe(PeakOp op, int64_t iterations);
+
 // ---- Start-up ------------------------------------------------------------------------------------
 // Picks the finer paths of this build (e.g. AVX512_BF16 or plain AVX512F) from CPUID, once.
 void init_kernels();
