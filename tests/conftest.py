@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kt_kernel.loader import REQUIRED_FLAGS, VARIANTS, cpu_flags, missing_flags
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,10 +10,11 @@ import os
 
 import pytest
 import torch
-from moe_reference import assert_close_to_reference, make_problem, random_routing, reference_forward
 
 import kt_kernel
 from kt_kernel import KTMoEWrapper
+
+from moe_reference import assert_close_to_reference, make_problem, random_routing, reference_forward
 
 
 def make_wrapper(p, threads: int = 2, gpu_experts_mask=None, slot_map=None) -> KTMoEWrapper:

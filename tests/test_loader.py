@@ -10,11 +10,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import HOST_FLAGS, run_python
-from kt_kernel.loader import select_variant
 
 import kt_kernel
 from kt_kernel import loader
+from kt_kernel.loader import select_variant
+
+from conftest import HOST_FLAGS, run_python
 
 CPUINFO = Path(__file__).parent / "data" / "cpuinfo"
 EXPECTED: dict[str, str | None] = json.loads((CPUINFO / "expected.json").read_text())

@@ -1,0 +1,317 @@
+"""`python -m kt_kernel bench`: the standard MoE workload (shared/bench/WORKLOAD.md) through KTMoEWrapper.
+
+Each build runs in its own subprocess (KT_KERNEL_CPU_VARIANT forces it). A worker measures the machine
+(DRAM read bandwidth, peak multiply-add rates) with the same threads, then times every row: random
+weights quantized on load, routing drawn afresh for every call (seed 0), and the same calls in plain
+PyTorch (per-expert F.linear in bf16) side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: name -> (experts E, top-k K, hidden H, intermediate I)
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "qwen3-30b": (128, 8, 2048, 768),
+    "dsv3-32e": (32, 8, 7168, 2048),
+    "tiny": (8, 2, 256, 128),  # call overhead; not in the default set
+}
+DEFAULT_SHAPES = ("qwen3-30b", "dsv3-32e")
+TOKENS = (1, 8, 64, 512)
+#: bytes per weight, scales included
+WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32, "mxfp4": 0.5 + 1 / 32}
+DECODE_MAX_TOKENS = 8  # rows up to here report bandwidth, larger ones FLOP/s
+
+
+@dataclass
+class Row:
+    variant: str
+    shape: str
+    format: str
+    tokens: int
+    calls: int
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    tokens_per_s: float
+    gbps: float
+    tflops: float
+    pct_of_bandwidth: float | None
+    pct_of_peak: float | None
+    peak_op: str
+    torch_median_ms: float | None
+    speedup_vs_torch: float | None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker: one build, in this process.
+# ---------------------------------------------------------------------------------------------
+def routing(tokens: int, experts: int, top_k: int, generator):
+    import torch
+
+    ids = torch.rand(tokens, experts, generator=generator).argsort(dim=1)[:, :top_k]
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1)
+    return ids, weights
+
+
+def torch_moe(x, ids, weights, gate, up, down):
+    """Plain PyTorch reference of one call: per-expert F.linear in bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for expert in ids.unique().tolist():
+        token, k = (ids == expert).nonzero(as_tuple=True)
+        xt = x[token]
+        act = F.silu(F.linear(xt, gate[expert])) * F.linear(xt, up[expert])
+        out.index_add_(0, token, F.linear(act, down[expert]).float() * weights[token, k, None])
+    return out.to(torch.bfloat16)
+
+
+def time_calls(call, inputs, warmup: int, budget_s: float, min_calls: int, max_calls: int) -> list[float]:
+    """Seconds per call, each call on the next routing; stops after max_calls, or after min_calls
+    once budget_s is spent."""
+    for i in range(warmup):
+        call(*inputs[i % len(inputs)])
+    times: list[float] = []
+    spent = 0.0
+    for i in range(max_calls):
+        start = time.perf_counter()
+        call(*inputs[(warmup + i) % len(inputs)])
+        times.append(time.perf_counter() - start)
+        spent += times[-1]
+        if len(times) >= min_calls and spent > budget_s:
+            break
+    return times
+
+
+def run_worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    import kt_kernel
+    from kt_kernel import KTMoEWrapper
+    from kt_kernel._native import ext
+
+    torch.set_num_threads(args.threads)
+    variant = kt_kernel.__cpu_variant__
+    kernels = dict(ext.kernel_info())
+    peak = {op: ext.measure_peak_gflops(args.threads, op) for op in ("fma_f32", "dpbf16")}
+    dram = ext.measure_read_bandwidth(args.threads, 1 << 29)
+    label = variant + ("" if "vdpbf16ps" in kernels["bf16_path"] or variant == "avx2" else "-plain")
+    rows: list[Row] = []
+    todo = [(s, f, t) for s in args.shape for f in args.format for t in args.tokens]
+    done = 0
+    for shape in args.shape:
+        experts, top_k, hidden, inter = SHAPES[shape]
+        gen = torch.Generator().manual_seed(0)
+        # Random bf16 weights of the shape's scale; quantized on load for other formats.
+        gate = torch.empty(experts, inter, hidden, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
+        gate.mul_(3**0.5 / hidden**0.5)
+        up = torch.empty_like(gate).uniform_(-1, 1, generator=gen).mul_(3**0.5 / hidden**0.5)
+        down = torch.empty(experts, hidden, inter, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
+        down.mul_(3**0.5 / inter**0.5)
+        for fmt in args.format:
+            moe = KTMoEWrapper(
+                layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
+                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
+            )  # fmt: skip
+            moe.load_weights_from_tensors(gate, up, down)
+            peak_op = "dpbf16" if "vdpbf16ps" in dict(ext.kernel_info())["bf16_path"] else "fma_f32"
+            for tokens in args.tokens:
+                progress(done, len(todo), f"{label} {shape} {fmt} T={tokens}")
+                rng = torch.Generator().manual_seed(0)
+                inputs = []  # a fresh routing for every call, warm-up included
+                for _ in range(args.calls + 2):
+                    ids, weights = routing(tokens, experts, top_k, rng)
+                    x = torch.randn(tokens, hidden, generator=rng).to(torch.bfloat16)
+                    inputs.append((x, ids, weights))
+                calls = args.calls
+                times = time_calls(moe.forward, inputs, 2, args.row_seconds, min(5, calls), calls)
+                torch_times = (
+                    time_calls(
+                        lambda x, i, w: torch_moe(x, i, w, gate, up, down),
+                        inputs,
+                        1,
+                        args.row_seconds,
+                        min(5, calls),
+                        calls,
+                    )  # fmt: skip
+                    if args.torch
+                    else None
+                )
+                touched = statistics.mean(int(i.unique().numel()) for _, i, _ in inputs)
+                median = statistics.median(times)
+                quantiles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
+                gbps = touched * 3 * hidden * inter * WEIGHT_BYTES[fmt] / median / 1e9
+                tflops = 2 * 3 * hidden * inter * tokens * top_k / median / 1e12
+                decode = tokens <= DECODE_MAX_TOKENS
+                torch_median = statistics.median(torch_times) if torch_times else None
+                rows.append(
+                    Row(
+                        variant=label,
+                        shape=shape,
+                        format=fmt,
+                        tokens=tokens,
+                        calls=len(times),
+                        median_ms=median * 1e3,
+                        p10_ms=quantiles[0] * 1e3,
+                        p90_ms=quantiles[-1] * 1e3,
+                        tokens_per_s=tokens / median,
+                        gbps=gbps,
+                        tflops=tflops,
+                        pct_of_bandwidth=100 * gbps / dram if decode else None,
+                        pct_of_peak=None if decode else 100 * tflops * 1e3 / peak[peak_op],
+                        peak_op=peak_op,
+                        torch_median_ms=torch_median * 1e3 if torch_median else None,
+                        speedup_vs_torch=torch_median / median if torch_median else None,
+                    )  # fmt: skip
+                )
+                done += 1
+            del moe
+    progress(done, len(todo), "done\n")
+    return {
+        "variant": label,
+        "dram_gbps": dram,
+        "peak_gflops": peak,
+        "kernels": kernels,
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def progress(done: int, total: int, what: str) -> None:
+    width = 24
+    filled = width * done // max(total, 1)
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what:<40}", end="", file=sys.stderr)
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent: one subprocess per build, then the table.
+# ---------------------------------------------------------------------------------------------
+def runnable_variants() -> list[str]:
+    from kt_kernel.loader import VARIANTS, cpu_flags, missing_flags, read_cpuinfo
+
+    flags = cpu_flags(read_cpuinfo()[0])
+    return [v for v in VARIANTS if not missing_flags(v, flags)]
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"machine: {m['cpu']}, {m['threads']} threads"]
+    for w in result["workers"]:
+        peaks = ", ".join(f"{op} {g:.0f} GFLOP/s" for op, g in w["peak_gflops"].items() if g)
+        lines.append(f"  {w['variant']:<12} DRAM read {w['dram_gbps']:.1f} GB/s; peak {peaks}")
+    header = (
+        f"{'build':<12} {'shape':<10} {'format':<6} {'T':>4} {'median ms':>10} {'p10-p90 ms':>15} "
+        f"{'tok/s':>9} {'GB/s':>6} {'%BW':>5} {'TFLOP/s':>8} {'%peak':>6} {'torch ms':>9} {'speedup':>7}"
+    )
+    lines += ["", header, "-" * len(header)]
+    for r in result["rows"]:
+
+        def opt(value, fmt):
+            return format(value, fmt) if value is not None else "-"
+
+        lines.append(
+            f"{r['variant']:<12} {r['shape']:<10} {r['format']:<6} {r['tokens']:>4} {r['median_ms']:>10.2f} "
+            f"{r['p10_ms']:>7.2f}-{r['p90_ms']:<7.2f} {r['tokens_per_s']:>9.1f} {r['gbps']:>6.1f} "
+            f"{opt(r['pct_of_bandwidth'], '5.0f'):>5} {r['tflops']:>8.3f} {opt(r['pct_of_peak'], '6.0f'):>6} "
+            f"{opt(r['torch_median_ms'], '9.2f'):>9} {opt(r['speedup_vs_torch'], '6.2f'):>6}x"
+        )
+    lines.append(
+        "\n%BW: effective bandwidth (distinct expert weights touched / latency) vs the DRAM read measured "
+        "above (T <= 8).\n%peak: vs the measured peak of the instruction the kernel uses (T >= 64)."
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kt_kernel.experts import IMPLEMENTED_FORMATS
+
+    formats = [f.lower() for f in IMPLEMENTED_FORMATS]
+    parser.add_argument("--shape", nargs="+", choices=list(SHAPES), default=list(DEFAULT_SHAPES))
+    parser.add_argument("--format", nargs="+", choices=formats, default=formats)
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument(
+        "--variant",
+        default="auto",
+        help="auto (the build import picks), all, or a comma list: amx,avx512,avx2",
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per row (fewer for slow rows)")
+    parser.add_argument(
+        "--row-seconds", type=float, default=10.0, help="after 5 calls, stop a row once it used this long"
+    )
+    parser.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch baseline")
+    parser.add_argument(
+        "--quick", action="store_true", help="qwen3-30b, T=1 and 64, 10 calls: under a minute"
+    )
+    parser.add_argument("--json", metavar="FILE", help="write every figure and the machine info as JSON")
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.shape, args.tokens, args.calls = ["qwen3-30b"], [1, 64], 10
+    if args.worker_json:
+        Path(args.worker_json).write_text(json.dumps(run_worker(args)))
+        return 0
+    if args.variant == "all":
+        variants = runnable_variants()
+    elif args.variant == "auto":
+        variants = [""]
+    else:
+        variants = [v.strip() for v in args.variant.split(",")]
+    workers = []
+    for variant in variants:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            env = dict(os.environ)
+            if variant:
+                env["KT_KERNEL_CPU_VARIANT"] = variant
+            command = [sys.executable, "-m", "kt_kernel", "bench", "--worker-json", out.name,
+                       "--shape", *args.shape, "--format", *args.format,
+                       "--tokens", *map(str, args.tokens), "--threads", str(args.threads),
+                       "--calls", str(args.calls), "--row-seconds", str(args.row_seconds)]  # fmt: skip
+            if not args.torch:
+                command.append("--no-torch")
+            subprocess.run(command, env=env, check=True)
+            workers.append(json.loads(Path(out.name).read_text()))
+            if variant == "avx512" and args.variant == "all":
+                env["KT_KERNEL_DISABLE_AVX512_BF16"] = "1"  # the plain AVX512F path too
+                subprocess.run(command, env=env, check=True)
+                workers.append(json.loads(Path(out.name).read_text()))
+    result = {
+        "machine": {
+            "cpu": cpu_model(),
+            "threads": args.threads,
+            "dram_gbps": statistics.median(w["dram_gbps"] for w in workers),
+            "peak_gflops": {w["variant"]: w["peak_gflops"] for w in workers},
+        },
+        "workers": [{k: w[k] for k in ("variant", "dram_gbps", "peak_gflops", "kernels")} for w in workers],
+        "rows": [row for w in workers for row in w["rows"]],
+    }
+    print(format_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
