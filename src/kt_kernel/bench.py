@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 #: name -> (experts E, top-k K, hidden H, intermediate I)
@@ -89,7 +90,7 @@ def torch_moe(x, ids, weights, gate, up, down):
     return out.to(torch.bfloat16)
 
 
-def time_calls(call, inputs, warmup: int, budget_s: float, min_calls: int, max_calls: int) -> list[float]:
+def time_calls(call, inputs, budget_s: float, min_calls: int, max_calls: int, warmup: int) -> list[float]:
     """Seconds per call, each call on the next routing; stops after max_calls, or after min_calls
     once budget_s is spent."""
     for i in range(warmup):
@@ -106,6 +107,36 @@ def time_calls(call, inputs, warmup: int, budget_s: float, min_calls: int, max_c
     return times
 
 
+def random_weights(shape: str, seed: int = 0):
+    """bf16 gate, up, down of the shape at the usual 1/sqrt(fan-in) scale (quantized on load)."""
+    import torch
+
+    experts, _, hidden, inter = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+
+    def uniform(*size: int, fan_in: int):
+        weights = torch.empty(*size, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
+        return weights.mul_((3 / fan_in) ** 0.5)
+
+    gate = uniform(experts, inter, hidden, fan_in=hidden)
+    up = uniform(experts, inter, hidden, fan_in=hidden)
+    down = uniform(experts, hidden, inter, fan_in=inter)
+    return gate, up, down
+
+
+def call_inputs(shape: str, tokens: int, count: int):
+    """`count` calls' (hidden states, routing), each with its own routing (WORKLOAD.md, seed 0)."""
+    import torch
+
+    experts, top_k, hidden, _ = SHAPES[shape]
+    rng = torch.Generator().manual_seed(0)
+    inputs = []
+    for _ in range(count):
+        ids, weights = routing(tokens, experts, top_k, rng)
+        inputs.append((torch.randn(tokens, hidden, generator=rng).to(torch.bfloat16), ids, weights))
+    return inputs
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     import torch
 
@@ -114,23 +145,19 @@ def run_worker(args: argparse.Namespace) -> dict:
     from kt_kernel._native import ext
 
     torch.set_num_threads(args.threads)
-    variant = kt_kernel.__cpu_variant__
     kernels = dict(ext.kernel_info())
     peak = {op: ext.measure_peak_gflops(args.threads, op) for op in ("fma_f32", "dpbf16")}
     dram = ext.measure_read_bandwidth(args.threads, 1 << 29)
-    label = variant + ("" if "vdpbf16ps" in kernels["bf16_path"] or variant == "avx2" else "-plain")
+    uses_dpbf16 = "vdpbf16ps" in kernels["bf16_path"]
+    peak_op = "dpbf16" if uses_dpbf16 else "fma_f32"
+    variant = kt_kernel.__cpu_variant__
+    label = variant + ("-plain" if variant != "avx2" and not uses_dpbf16 else "")
     rows: list[Row] = []
-    todo = [(s, f, t) for s in args.shape for f in args.format for t in args.tokens]
-    done = 0
+    total = len(args.shape) * len(args.format) * len(args.tokens)
     for shape in args.shape:
         experts, top_k, hidden, inter = SHAPES[shape]
-        gen = torch.Generator().manual_seed(0)
-        # Random bf16 weights of the shape's scale; quantized on load for other formats.
-        gate = torch.empty(experts, inter, hidden, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
-        gate.mul_(3**0.5 / hidden**0.5)
-        up = torch.empty_like(gate).uniform_(-1, 1, generator=gen).mul_(3**0.5 / hidden**0.5)
-        down = torch.empty(experts, hidden, inter, dtype=torch.bfloat16).uniform_(-1, 1, generator=gen)
-        down.mul_(3**0.5 / inter**0.5)
+        gate, up, down = random_weights(shape)
+        baseline = partial(torch_moe, gate=gate, up=up, down=down)
         for fmt in args.format:
             moe = KTMoEWrapper(
                 layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
@@ -138,66 +165,35 @@ def run_worker(args: argparse.Namespace) -> dict:
                 threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
             )  # fmt: skip
             moe.load_weights_from_tensors(gate, up, down)
-            peak_op = "dpbf16" if "vdpbf16ps" in dict(ext.kernel_info())["bf16_path"] else "fma_f32"
             for tokens in args.tokens:
-                progress(done, len(todo), f"{label} {shape} {fmt} T={tokens}")
-                rng = torch.Generator().manual_seed(0)
-                inputs = []  # a fresh routing for every call, warm-up included
-                for _ in range(args.calls + 2):
-                    ids, weights = routing(tokens, experts, top_k, rng)
-                    x = torch.randn(tokens, hidden, generator=rng).to(torch.bfloat16)
-                    inputs.append((x, ids, weights))
-                calls = args.calls
-                times = time_calls(moe.forward, inputs, 2, args.row_seconds, min(5, calls), calls)
-                torch_times = (
-                    time_calls(
-                        lambda x, i, w: torch_moe(x, i, w, gate, up, down),
-                        inputs,
-                        1,
-                        args.row_seconds,
-                        min(5, calls),
-                        calls,
-                    )  # fmt: skip
-                    if args.torch
-                    else None
-                )
-                touched = statistics.mean(int(i.unique().numel()) for _, i, _ in inputs)
+                progress(len(rows), total, f"{label} {shape} {fmt} T={tokens}")
+                inputs = call_inputs(shape, tokens, args.calls + 2)  # fresh routing for every call
+                timing = (inputs, args.row_seconds, min(5, args.calls), args.calls)
+                times = time_calls(moe.forward, *timing, warmup=2)
+                torch_times = time_calls(baseline, *timing, warmup=1) if args.torch else None
+                touched = statistics.mean(int(ids.unique().numel()) for _, ids, _ in inputs)
                 median = statistics.median(times)
-                quantiles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
+                deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
                 gbps = touched * 3 * hidden * inter * WEIGHT_BYTES[fmt] / median / 1e9
                 tflops = 2 * 3 * hidden * inter * tokens * top_k / median / 1e12
                 decode = tokens <= DECODE_MAX_TOKENS
                 torch_median = statistics.median(torch_times) if torch_times else None
                 rows.append(
                     Row(
-                        variant=label,
-                        shape=shape,
-                        format=fmt,
-                        tokens=tokens,
-                        calls=len(times),
-                        median_ms=median * 1e3,
-                        p10_ms=quantiles[0] * 1e3,
-                        p90_ms=quantiles[-1] * 1e3,
-                        tokens_per_s=tokens / median,
-                        gbps=gbps,
-                        tflops=tflops,
+                        variant=label, shape=shape, format=fmt, tokens=tokens, calls=len(times),
+                        median_ms=median * 1e3, p10_ms=deciles[0] * 1e3, p90_ms=deciles[-1] * 1e3,
+                        tokens_per_s=tokens / median, gbps=gbps, tflops=tflops,
                         pct_of_bandwidth=100 * gbps / dram if decode else None,
                         pct_of_peak=None if decode else 100 * tflops * 1e3 / peak[peak_op],
                         peak_op=peak_op,
                         torch_median_ms=torch_median * 1e3 if torch_median else None,
                         speedup_vs_torch=torch_median / median if torch_median else None,
-                    )  # fmt: skip
-                )
-                done += 1
+                    )
+                )  # fmt: skip
             del moe
-    progress(done, len(todo), "done\n")
-    return {
-        "variant": label,
-        "dram_gbps": dram,
-        "peak_gflops": peak,
-        "kernels": kernels,
-        "rows": [asdict(r) for r in rows],
-    }
+    progress(len(rows), total, "done\n")
+    return {"variant": label, "dram_gbps": dram, "peak_gflops": peak, "kernels": kernels,
+            "rows": [asdict(r) for r in rows]}  # fmt: skip
 
 
 def progress(done: int, total: int, what: str) -> None:
