@@ -1,11 +1,6 @@
 // Peak multiply-add rate probes: enough independent accumulators to hide FMA latency.
-// GCC 12 flags its own AVX512 reduce helpers as uninitialized (a header false positive).
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-
 #include "cpu_features.h"
-#include "kernels.h"
+#include "paths.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -13,7 +8,7 @@ namespace {
 constexpr int kChains = 12;
 volatile float probe_sink;  // keeps the loops from being optimised away
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) double dpbf16_probe(int64_t iterations) {
+KT_TARGET_AVX512BF16 double dpbf16_probe(int64_t iterations) {
   __m512 acc[kChains];
   for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(float(c));
   const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x3F803F80);

@@ -7,7 +7,7 @@ import torch
 
 from kt_kernel import KTMoEWrapper
 
-E, K, H, I = 8, 2, 64, 32
+E, K, H, I = 8, 2, 64, 48
 
 
 def wrapper(**overrides) -> KTMoEWrapper:
@@ -73,7 +73,12 @@ def inputs(tokens: int = 3):
         ({"max_deferred_experts_per_token": 2}, NotImplementedError, "deferred experts are not supported"),
         ({"threadpool_count": 2}, NotImplementedError, "NUMA subpools"),
         ({"method": "AMXINT4"}, NotImplementedError, "INT4 weights\\) is not implemented yet"),
-        ({"method": "mxfp4"}, NotImplementedError, "MXFP4"),
+        (
+            {"method": "mxfp4"},
+            ValueError,
+            "MXFP4 needs hidden_size and moe_intermediate_size to be multiples of 32",
+        ),
+        ({"method": "INT8"}, NotImplementedError, "INT8 weights\\) is not implemented yet"),
     ],
 )
 def test_bad_construction(overrides, error, match):

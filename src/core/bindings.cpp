@@ -2,6 +2,7 @@
 // module does is check (CPUID) that the CPU can run the rest, and refuse to load otherwise.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -21,6 +22,8 @@ using CpuArray = nb::ndarray<T, nb::c_contig, nb::device::cpu, Shape...>;
 using Bf16In3 = CpuArray<const int16_t, nb::ndim<3>>;
 using Bf16In2 = CpuArray<const int16_t, nb::ndim<2>>;
 using Bf16Out2 = CpuArray<int16_t, nb::ndim<2>>;
+using Float32Out2 = CpuArray<float, nb::ndim<2>>;
+using Bytes3 = CpuArray<const uint8_t, nb::ndim<3>>;
 
 namespace {
 
@@ -29,6 +32,12 @@ void require(bool condition, const char* message) {
 }
 
 const bf16_t* bf16_data(const int16_t* p) { return reinterpret_cast<const bf16_t*>(p); }
+
+kt::WeightFormat parse_format(const std::string& method) {
+  if (method == "BF16") return kt::WeightFormat::kBf16;
+  if (method == "MXFP4") return kt::WeightFormat::kMxfp4;
+  throw std::invalid_argument("the engine runs BF16 and MXFP4 weights, not " + method);
+}
 
 }  // namespace
 
@@ -69,13 +78,34 @@ NB_MODULE(KT_MODULE_NAME, m) {
         nb::arg("threads"), nb::arg("op"), nb::call_guard<nb::gil_scoped_release>(),
         "Peak GFLOP/s of fp32 FMA ('fma_f32') or vdpbf16ps ('dpbf16'); 0 where this build/CPU lacks it.");
 
+  m.def("linear",
+        [](const std::string& method, Bf16In2 x, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>> weight,
+           std::optional<CpuArray<const uint8_t, nb::ndim<2>>> scale, Float32Out2 y) {
+          const kt::WeightFormat format = parse_format(method);
+          const int m = int(x.shape(0)), k = int(x.shape(1)), n = int(y.shape(1));
+          require(y.shape(0) == x.shape(0) && weight.shape(0) == y.shape(1), "x, weight and y disagree in shape");
+          if (format == kt::WeightFormat::kMxfp4) {
+            require(k % 32 == 0 && weight.shape(1) * 2 == size_t(k) && scale && scale->shape(0) == size_t(n) &&
+                        scale->shape(1) * 32 == size_t(k),
+                    "MXFP4 weight must be [n, k/2] codes with scale [n, k/32], k % 32 == 0");
+          } else {
+            require(weight.shape(1) == size_t(k) && weight.itemsize() == 2, "BF16 weight must be [n, k] bf16");
+          }
+          nb::gil_scoped_release release;
+          kt::linear(format, bf16_data(x.data()), m, k,
+                     {weight.data(), scale ? scale->data() : nullptr}, n, y.data());
+        },
+        nb::arg("method"), nb::arg("x"), nb::arg("weight"), nb::arg("scale").none(), nb::arg("y"),
+        "y = x @ weight.T with one kernel call on this thread (testing aid; weight in canonical layout).");
+
   nb::class_<kt::MoEEngine>(m, "MoEEngine")
       .def("__init__",
-           [](kt::MoEEngine* self, int num_experts, int top_k, int hidden, int intermediate, int threads,
-              const std::vector<int>& skip_experts) {
-             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, threads, skip_experts);
+           [](kt::MoEEngine* self, int num_experts, int top_k, int hidden, int intermediate, const std::string& method,
+              int threads, const std::vector<int>& skip_experts) {
+             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, parse_format(method), threads,
+                                      skip_experts);
            },
-           nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"),
+           nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("method"),
            nb::arg("threads"), nb::arg("skip_experts"))
       .def("load_bf16",
            [](kt::MoEEngine& engine, Bf16In3 gate, Bf16In3 up, Bf16In3 down,
@@ -85,10 +115,22 @@ NB_MODULE(KT_MODULE_NAME, m) {
              require(gate.shape(1) == up.shape(1) && gate.shape(2) == up.shape(2) &&
                          down.shape(1) == gate.shape(2) && down.shape(2) == gate.shape(1),
                      "gate/up must be [E, I, H] and down [E, H, I]");
-             engine.load_bf16(bf16_data(gate.data()), bf16_data(up.data()), bf16_data(down.data()),
-                              int(gate.shape(0)), source_of_slot.data());
+             engine.load({gate.data(), nullptr}, {up.data(), nullptr}, {down.data(), nullptr}, int(gate.shape(0)),
+                          source_of_slot.data());
            },
            nb::call_guard<nb::gil_scoped_release>(), "Copy and pack bf16 weights (shapes checked in Python).")
+      .def("load_mxfp4",
+           [](kt::MoEEngine& engine, Bytes3 gate, Bytes3 gate_scale, Bytes3 up, Bytes3 up_scale, Bytes3 down,
+              Bytes3 down_scale, CpuArray<const int64_t, nb::ndim<1>> source_of_slot) {
+             require(gate.shape(0) == up.shape(0) && gate.shape(0) == down.shape(0) &&
+                         gate_scale.shape(0) == gate.shape(0) && up_scale.shape(0) == gate.shape(0) &&
+                         down_scale.shape(0) == gate.shape(0),
+                     "the six MXFP4 tensors must hold the same number of experts");
+             engine.load({gate.data(), gate_scale.data()}, {up.data(), up_scale.data()},
+                         {down.data(), down_scale.data()}, int(gate.shape(0)), source_of_slot.data());
+           },
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Copy and pack MXFP4 codes [E, N, K/2] and E8M0 scales [E, N, K/32] (checked in Python).")
       .def("submit",
            [](kt::MoEEngine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>> ids,
               CpuArray<const float, nb::ndim<2>> weights, Bf16Out2 out) {

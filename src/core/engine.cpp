@@ -47,8 +47,48 @@ void require(bool condition, const std::string& message) {
 
 }  // namespace
 
-MoEEngine::MoEEngine(MoEShape shape, int threads, const std::vector<int>& skip_experts)
+void PackedProjection::allocate(WeightFormat format, int experts, int rows_, int k_) {
+  rows = rows_;
+  k = k_;
+  const bool mxfp4 = format == WeightFormat::kMxfp4;
+  group_bytes = mxfp4 ? mxfp4_group_bytes(k) : bf16_group_bytes(k);
+  group_scale_bytes = mxfp4 ? mxfp4_group_scale_bytes(k) : 0;
+  values.reserve(size_t(experts) * packed_groups(rows) * group_bytes);
+  scales.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
+}
+
+PackedGroups PackedProjection::groups(int expert, int first, int count) const {
+  const size_t index = size_t(expert) * packed_groups(rows) + first;
+  return {values.data() + index * group_bytes, scales.data() + index * group_scale_bytes, group_bytes,
+          group_scale_bytes, k, count};
+}
+
+void linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y) {
+  PackedProjection packed;
+  packed.allocate(format, 1, n, k);
+  if (format == WeightFormat::kMxfp4)
+    pack_mxfp4(static_cast<const uint8_t*>(w.values), w.scales, n, k, packed.expert_values(0), packed.expert_scales(0));
+  else
+    pack_bf16(static_cast<const bf16_t*>(w.values), n, k, packed.expert_values(0));
+  const int stride = round_up(k, 32), y_stride = packed_groups(n) * kGroupRows;
+  AlignedBuffer<bf16_t> rows(size_t(m) * stride);
+  AlignedBuffer<float> out(size_t(m) * y_stride);
+  for (int i = 0; i < m; ++i) {
+    std::memcpy(rows.data() + size_t(i) * stride, x + size_t(i) * k, k * sizeof(bf16_t));
+    std::memset(rows.data() + size_t(i) * stride + k, 0, (stride - k) * sizeof(bf16_t));
+  }
+  const Activations activations{rows.data(), size_t(stride), nullptr, m};
+  const PackedGroups all = packed.groups(0, 0, packed_groups(n));
+  if (format == WeightFormat::kMxfp4)
+    gemm_mxfp4(activations, all, out.data(), y_stride);
+  else
+    gemm_bf16(activations, all, out.data(), y_stride);
+  for (int i = 0; i < m; ++i) std::memcpy(y + size_t(i) * n, out.data() + size_t(i) * y_stride, n * sizeof(float));
+}
+
+MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts)
     : shape_(shape),
+      format_(format),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
       pool_((require(threads >= 1, "cpuinfer_threads must be >= 1"), threads)) {
@@ -56,6 +96,9 @@ MoEEngine::MoEEngine(MoEShape shape, int threads, const std::vector<int>& skip_e
   require(shape.top_k >= 1 && shape.top_k <= shape.num_experts,
           "num_experts_per_tok must be in [1, num_experts]");
   require(shape.hidden >= 1 && shape.intermediate >= 1, "hidden_size and moe_intermediate_size must be >= 1");
+  if (format == WeightFormat::kMxfp4)
+    require(shape.hidden % kMxfp4Block == 0 && shape.intermediate % kMxfp4Block == 0,
+            "MXFP4 needs hidden_size and moe_intermediate_size to be multiples of 32");
   skip_.assign(shape.num_experts, 0);
   for (int e : skip_experts) {
     require(e >= 0 && e < shape.num_experts, "gpu_experts_mask names an expert outside [0, num_experts)");
@@ -68,30 +111,51 @@ MoEEngine::~MoEEngine() {
   if (pending_) pool_.wait();
 }
 
-void MoEEngine::load_bf16(const bf16_t* gate, const bf16_t* up, const bf16_t* down, int num_sources,
-                          const int64_t* source_of_slot) {
+void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
+                     const int64_t* source_of_slot) {
   if (pending_) throw std::logic_error("cannot load weights while a forward is in flight; call sync first");
   const int E = shape_.num_experts, H = shape_.hidden, I = shape_.intermediate;
   for (int slot = 0; slot < E; ++slot)
     require(source_of_slot[slot] >= 0 && source_of_slot[slot] < num_sources,
             "physical_to_logical_map_cpu[" + std::to_string(slot) + "] = " +
                 std::to_string(source_of_slot[slot]) + " is outside [0, " + std::to_string(num_sources) + ")");
-  gate_up_expert_elems_ = packed_groups(I) * packed_group_elems(H);
-  down_expert_elems_ = packed_groups(H) * packed_group_elems(I);
-  gate_.reserve(E * gate_up_expert_elems_);
-  up_.reserve(E * gate_up_expert_elems_);
-  down_.reserve(E * down_expert_elems_);
+  gate_.allocate(format_, E, I, H);
+  up_.allocate(format_, E, I, H);
+  down_.allocate(format_, E, H, I);
   // Packed by the pool's threads, so each expert's pages are first touched by a worker.
   pool_.run([&](int worker) {
     for (int slot = worker; slot < E; slot += pool_.size()) {
       if (skip_[slot]) continue;
       const size_t source = size_t(source_of_slot[slot]);
-      pack_bf16(gate + source * I * H, I, H, gate_.data() + slot * gate_up_expert_elems_);
-      pack_bf16(up + source * I * H, I, H, up_.data() + slot * gate_up_expert_elems_);
-      pack_bf16(down + source * H * I, H, I, down_.data() + slot * down_expert_elems_);
+      pack(gate_, gate, slot, source);
+      pack(up_, up, slot, source);
+      pack(down_, down, slot, source);
     }
   });
   loaded_ = true;
+}
+
+void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {
+  const size_t weights = size_t(dst.rows) * dst.k;
+  switch (format_) {
+    case WeightFormat::kBf16:
+      pack_bf16(static_cast<const bf16_t*>(src.values) + source * weights, dst.rows, dst.k, dst.expert_values(slot));
+      break;
+    case WeightFormat::kMxfp4:
+      pack_mxfp4(static_cast<const uint8_t*>(src.values) + source * weights / 2,
+                 src.scales + source * weights / kMxfp4Block, dst.rows, dst.k, dst.expert_values(slot),
+                 dst.expert_scales(slot));
+      break;
+  }
+}
+
+void MoEEngine::gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const {
+  switch (format_) {
+    case WeightFormat::kBf16:
+      return gemm_bf16(x, w, y, y_stride);
+    case WeightFormat::kMxfp4:
+      return gemm_mxfp4(x, w, y, y_stride);
+  }
 }
 
 void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
@@ -186,19 +250,16 @@ void MoEEngine::forward_worker(int worker) {
 
 // One expert x one block of intermediate rows: gate and up for all its tokens, then SwiGLU.
 void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
-  const int H = shape_.hidden, groups = packed_groups(shape_.intermediate);
+  const int groups = packed_groups(shape_.intermediate);
   const int blocks = ceil_div(groups, kBlockGroups);
   const int active = task / blocks, g0 = task % blocks * kBlockGroups;
   const int block_groups = std::min(kBlockGroups, groups - g0);
   const int expert = active_experts_[active];
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
-  const size_t weight_offset = expert * gate_up_expert_elems_ + g0 * packed_group_elems(H);
-  const int32_t* tokens = route_token_.data() + first;
+  const Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
 
-  gemm_bf16(hidden_.data(), hidden_stride_, tokens, rows, gate_.data() + weight_offset, H, block_groups,
-            s.gate.data(), kBlockCols);
-  gemm_bf16(hidden_.data(), hidden_stride_, tokens, rows, up_.data() + weight_offset, H, block_groups,
-            s.up.data(), kBlockCols);
+  gemm(x, gate_.groups(expert, g0, block_groups), s.gate.data(), kBlockCols);
+  gemm(x, up_.groups(expert, g0, block_groups), s.up.data(), kBlockCols);
   for (int i = 0; i < rows; ++i)
     silu_mul_to_bf16(s.gate.data() + i * kBlockCols, s.up.data() + i * kBlockCols, block_groups * kGroupRows,
                      activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
@@ -207,7 +268,7 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
 // One block of output columns for every token: down projections of all active experts, weighted
 // and summed in fp32, written once as bf16. Tasks own disjoint columns, so no atomics are needed.
 void MoEEngine::down_task(int block, ThreadScratch& s) {
-  const int H = shape_.hidden, I = shape_.intermediate;
+  const int H = shape_.hidden;
   const int g0 = block * kBlockGroups, block_groups = std::min(kBlockGroups, packed_groups(H) - g0);
   const int block_cols = block_groups * kGroupRows;
   float* acc = s.acc.data();
@@ -215,9 +276,8 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
   for (size_t active = 0; active < active_experts_.size(); ++active) {
     const int expert = active_experts_[active];
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
-    gemm_bf16(activation_.data() + size_t(first) * inter_stride_, inter_stride_, nullptr, rows,
-              down_.data() + expert * down_expert_elems_ + g0 * packed_group_elems(I), I, block_groups,
-              s.down.data(), kBlockCols);
+    const Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows};
+    gemm(x, down_.groups(expert, g0, block_groups), s.down.data(), kBlockCols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];
       const float* y = s.down.data() + i * kBlockCols;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kernels.h"
 #include "thread_pool.h"
 
 KT_NAMESPACE_BEGIN
@@ -17,16 +18,46 @@ struct MoEShape {
   int intermediate;
 };
 
+enum class WeightFormat { kBf16, kMxfp4 };
+
+// One projection (gate, up or down) of every expert, packed for the kernels.
+struct PackedProjection {
+  int rows = 0, k = 0;
+  size_t group_bytes = 0, group_scale_bytes = 0;
+  AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
+
+  void allocate(WeightFormat format, int experts, int rows, int k);
+  uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
+  uint8_t* expert_scales(int expert) {
+    return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
+  }
+  // Groups [first, first + count) of one expert.
+  PackedGroups groups(int expert, int first, int count) const;
+};
+
+// The canonical (unpacked) weights of one projection for all source experts; for MXFP4 `values`
+// are E2M1 codes [E, rows, k/2] and `scales` E8M0 bytes [E, rows, k/32]; for BF16 `values` are
+// bf16 [E, rows, k] and `scales` is null.
+struct SourceProjection {
+  const void* values;
+  const uint8_t* scales;
+};
+
+// y[m][n] = x[m][k] . W[n][k] on the calling thread, W given like SourceProjection (one matrix):
+// the kernels without the MoE around them, for tests of odd shapes.
+void linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y);
+
 class MoEEngine {
  public:
   // skip_experts: ids computed elsewhere (GPU-resident); their routing entries are ignored.
-  MoEEngine(MoEShape shape, int threads, const std::vector<int>& skip_experts);
+  MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts);
   ~MoEEngine();
 
-  // gate, up: [num_sources, intermediate, hidden]; down: [num_sources, hidden, intermediate], bf16.
-  // Physical slot p gets the weights of source expert source_of_slot[p]. Copies and packs.
-  void load_bf16(const bf16_t* gate, const bf16_t* up, const bf16_t* down, int num_sources,
-                 const int64_t* source_of_slot);
+  // gate, up: [num_sources, intermediate, hidden]; down: [num_sources, hidden, intermediate], in
+  // the engine's format. Physical slot p gets the weights of source expert source_of_slot[p].
+  // Copies and packs; nothing refers to the sources afterwards.
+  void load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
+            const int64_t* source_of_slot);
 
   // Starts a forward over `tokens` rows and returns at once. Routing is read (and checked) here;
   // hidden (bf16 [tokens, hidden]) and out (bf16 [tokens, hidden]) must stay valid until sync().
@@ -44,14 +75,15 @@ class MoEEngine {
   void forward_worker(int worker);
   void gate_up_task(int task, ThreadScratch& scratch);
   void down_task(int block, ThreadScratch& scratch);
+  void pack(PackedProjection& dst, SourceProjection src, int slot, size_t source);
+  void gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const;
 
   const MoEShape shape_;
+  const WeightFormat format_;
   std::vector<uint8_t> skip_;
   bool loaded_ = false;
   bool pending_ = false;
-  // Packed weights, all experts back to back; expert e starts at e * *_expert_elems_.
-  AlignedBuffer<bf16_t> gate_, up_, down_;
-  size_t gate_up_expert_elems_ = 0, down_expert_elems_ = 0;
+  PackedProjection gate_, up_, down_;
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
 
   // State of the call in flight.

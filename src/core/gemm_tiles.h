@@ -1,6 +1,6 @@
-// ISA-neutral driver for register-tiled GEMM microkernels: walks a block of `groups` packed weight
-// groups NV at a time and, for each, all activation rows MaxM at a time, so each weight line is
-// reused for MaxM rows while it is hot. The microkernel is Tile<M, NV>::run for the actual M, NV.
+// ISA-neutral driver for register-tiled GEMM microkernels: walks a run of packed weight groups NV
+// at a time and, for each, all activation rows MaxM at a time, so each weight line is reused for
+// MaxM rows while it is hot. The microkernel is Tile<M, NV>::run for the actual M, NV.
 #pragma once
 
 #include <algorithm>
@@ -12,8 +12,8 @@
 
 KT_NAMESPACE_BEGIN
 
-using TileFn = void (*)(const bf16_t* const* x_rows, const bf16_t* packed, size_t group_elems,
-                        int k_pairs, float* y, size_t y_stride);
+// x_rows: M activation rows; w: NV groups starting at w.values; y: M rows x NV * 16 outputs.
+using TileFn = void (*)(const bf16_t* const* x_rows, const PackedGroups& w, float* y, size_t y_stride);
 
 template <template <int, int> class Tile, int MaxM, int NV>
 struct TileTable {
@@ -25,19 +25,19 @@ struct TileTable {
 };
 
 template <template <int, int> class Tile, int MaxM, int NV>
-void gemm_tiled(const bf16_t* x, size_t x_stride, const int32_t* row_ids, int m, const bf16_t* packed,
-                int k, int groups, float* y, size_t y_stride) {
-  const size_t group_elems = packed_group_elems(k);
-  const int k_pairs = packed_k(k) / 2;
-  for (int g0 = 0; g0 < groups; g0 += NV) {
-    const int nv = std::min(NV, groups - g0);
-    for (int i0 = 0; i0 < m; i0 += MaxM) {
-      const int mm = std::min(MaxM, m - i0);
+void gemm_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  for (int g0 = 0; g0 < w.groups; g0 += NV) {
+    const int nv = std::min(NV, w.groups - g0);
+    PackedGroups block = w;
+    block.values += g0 * w.group_bytes;
+    block.scales += g0 * w.group_scale_bytes;
+    block.groups = nv;
+    for (int i0 = 0; i0 < x.rows; i0 += MaxM) {
+      const int mm = std::min(MaxM, x.rows - i0);
       const bf16_t* rows[MaxM];
-      for (int i = 0; i < mm; ++i) rows[i] = x + size_t(row_ids ? row_ids[i0 + i] : i0 + i) * x_stride;
-      TileTable<Tile, MaxM, NV>::table[(mm - 1) * NV + (nv - 1)](
-          rows, packed + g0 * group_elems, group_elems, k_pairs, y + size_t(i0) * y_stride + g0 * kGroupRows,
-          y_stride);
+      for (int i = 0; i < mm; ++i) rows[i] = x.row(i0 + i);
+      TileTable<Tile, MaxM, NV>::table[(mm - 1) * NV + (nv - 1)](rows, block,
+                                                                 y + size_t(i0) * y_stride + g0 * kGroupRows, y_stride);
     }
   }
 }
@@ -48,5 +48,14 @@ inline int32_t load_bf16_pair(const bf16_t* p) {
   std::memcpy(&pair, p, sizeof(pair));
   return pair;
 }
+
+// E2M1 codes 0..15 as bf16, split into low and high bytes for byte-shuffle lookups:
+// 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated (bit 3 = sign).
+constexpr uint8_t kE2M1Bf16Low[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                      0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+constexpr uint8_t kE2M1Bf16High[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                       0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+// E8M0 scale 0 means 2^-127, an fp32 denormal; every other byte s maps to the bits s << 23.
+constexpr int32_t kE8M0ZeroBits = 0x00400000;
 
 KT_NAMESPACE_END

@@ -1,32 +1,64 @@
 // The kernel interface: declared once here, defined once per kernels_<isa>/ directory. A variant
 // module links src/core with exactly one kernels directory, so the choice of implementation is made
-// by the linker, not by branches in hot loops.
+// by the linker, not by branches in hot loops. Adding a format = one layout + pack function here
+// (packing is ISA-neutral, src/core/pack.cpp), one gemm_<format> per kernels directory.
 #pragma once
 
 #include "common.h"
 
 KT_NAMESPACE_BEGIN
 
-// ---- Packed BF16 weights (one layout for every build) ----------------------------------------
-// A weight matrix W[rows][k] (rows = outputs) is stored in groups of kGroupRows output rows. Inside
-// a group, for each input pair (2p, 2p+1) the 16 rows' two values lie side by side:
-//   group g, pair p, row r -> { W[16g + r][2p], W[16g + r][2p + 1] }
-// so one 64-byte line holds 16 rows x 2 inputs: one vdpbf16ps operand, or two AVX2 fp32 vectors
-// after a shift / mask. Rows are padded to a multiple of 16 and k to an even count, with zeros.
+// Every format stores a weight matrix W[rows][k] (rows = outputs) in groups of kGroupRows rows,
+// padded with zero rows; a kernel call covers a run of consecutive groups.
 constexpr int kGroupRows = 16;
 
-inline int packed_k(int k) { return round_up(k, 2); }
-inline size_t packed_group_elems(int k) { return size_t(packed_k(k)) * kGroupRows; }
 inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 
-void pack_bf16(const bf16_t* weights, int rows, int k, bf16_t* packed);
+// The activation rows a GEMM reads: row i is base + (row_ids ? row_ids[i] : i) * stride, bf16,
+// readable (zero padded) up to round_up(k, 2) elements.
+struct Activations {
+  const bf16_t* base;
+  size_t stride;
+  const int32_t* row_ids;
+  int rows;
+  const bf16_t* row(int i) const { return base + size_t(row_ids ? row_ids[i] : i) * stride; }
+};
 
-// y[i][j] = sum_k x_i[k] * W[j][k] for i < m and j < kGroupRows * groups (fp32 accumulate).
-//   x_i = x + (row_ids ? row_ids[i] : i) * x_stride; each x_i is readable (zero) up to packed_k(k).
-//   packed points at the first of `groups` consecutive groups of a matrix packed by pack_bf16.
-//   y is overwritten; row stride y_stride floats.
-void gemm_bf16(const bf16_t* x, size_t x_stride, const int32_t* row_ids, int m, const bf16_t* packed,
-               int k, int groups, float* y, size_t y_stride);
+// A run of packed groups of one matrix.
+struct PackedGroups {
+  const uint8_t* values;     // the first group's weights
+  const uint8_t* scales;     // the first group's scales (formats that have them)
+  size_t group_bytes;        // stride between groups in `values`
+  size_t group_scale_bytes;  // stride between groups in `scales`
+  int k;                     // inputs per row
+  int groups;
+};
+
+// ---- BF16 -----------------------------------------------------------------------------------
+// Inside a group, for each input pair (2p, 2p+1) the 16 rows' two values lie side by side:
+//   pair p, row r -> { W[r][2p], W[r][2p + 1] }
+// so one 64-byte line holds 16 rows x 2 inputs: one vdpbf16ps operand, or two AVX2 fp32 vectors
+// after a shift / mask. k is padded to an even count with zeros.
+inline size_t bf16_group_bytes(int k) { return size_t(round_up(k, 2)) * kGroupRows * sizeof(bf16_t); }
+void pack_bf16(const bf16_t* weights, int rows, int k, uint8_t* packed);
+
+// ---- MXFP4 (OCP Microscaling: E2M1 values, one E8M0 scale per 32 inputs) --------------------
+// Canonical input: codes [rows][k/2] (low nibble = even k), scales [rows][k/32]; k % 32 == 0.
+// Packed: per group, per 32-input block, four 64-byte chunks; chunk c holds input pairs
+// j = 4c..4c+3 (byte j of a row = its inputs 2j, 2j+1) at byte 16*l + 4*q + d for row 4*l + d and
+// pair 4c + q. Unpacking the nibbles within each 128-bit lane (AVX2 and AVX512 alike) then yields
+// the BF16 pair layout above. Scales: per group, per block, 16 bytes (one per row).
+constexpr int kMxfp4Block = 32;
+constexpr int kMxfp4ChunkBytes = 64;
+inline size_t mxfp4_group_bytes(int k) { return size_t(k / kMxfp4Block) * 4 * kMxfp4ChunkBytes; }
+inline size_t mxfp4_group_scale_bytes(int k) { return size_t(k / kMxfp4Block) * kGroupRows; }
+void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, uint8_t* packed,
+                uint8_t* packed_scales);
+
+// ---- GEMM: y[i][j] = sum_k x_i[k] * W[j][k], i < x.rows, j < kGroupRows * w.groups ----------
+// fp32 accumulation; y is overwritten, row stride y_stride floats.
+void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
 enum class PeakOp { kFmaF32, kDpBf16 };
@@ -40,7 +72,7 @@ void init_kernels();
 
 struct KernelInfo {
   const char* isa;        // the kernels directory linked in
-  const char* bf16_path;  // how gemm_bf16 multiplies
+  const char* bf16_path;  // how bf16 products are computed (BF16 and MXFP4 kernels)
 };
 KernelInfo kernel_info();
 

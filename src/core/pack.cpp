@@ -1,22 +1,42 @@
-// Packing of BF16 weights into the group layout described in kernels.h (shared by every build).
+// Packing into the layouts described in kernels.h (shared by every build).
 #include <cstring>
 
 #include "kernels.h"
 
 KT_NAMESPACE_BEGIN
 
-void pack_bf16(const bf16_t* weights, int rows, int k, bf16_t* packed) {
-  const int k_pairs = packed_k(k) / 2;
-  const size_t group_elems = packed_group_elems(k);
+void pack_bf16(const bf16_t* weights, int rows, int k, uint8_t* packed) {
+  const int k_pairs = round_up(k, 2) / 2;
+  const size_t group_bytes = bf16_group_bytes(k);
   for (int g = 0; g < packed_groups(rows); ++g) {
-    bf16_t* group = packed + g * group_elems;
-    std::memset(group, 0, group_elems * sizeof(bf16_t));
+    bf16_t* group = reinterpret_cast<bf16_t*>(packed + g * group_bytes);
+    std::memset(group, 0, group_bytes);
     for (int r = 0; r < kGroupRows && g * kGroupRows + r < rows; ++r) {
       const bf16_t* row = weights + size_t(g * kGroupRows + r) * k;
       for (int p = 0; p < k_pairs; ++p) {
         group[(size_t(p) * kGroupRows + r) * 2] = row[2 * p];
         if (2 * p + 1 < k) group[(size_t(p) * kGroupRows + r) * 2 + 1] = row[2 * p + 1];
       }
+    }
+  }
+}
+
+void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, uint8_t* packed,
+                uint8_t* packed_scales) {
+  const int blocks = k / kMxfp4Block, row_bytes = k / 2;
+  for (int g = 0; g < packed_groups(rows); ++g) {
+    uint8_t* group = packed + g * mxfp4_group_bytes(k);
+    uint8_t* group_scales = packed_scales + g * mxfp4_group_scale_bytes(k);
+    std::memset(group, 0, mxfp4_group_bytes(k));
+    std::memset(group_scales, 0, mxfp4_group_scale_bytes(k));
+    for (int r = 0; r < kGroupRows && g * kGroupRows + r < rows; ++r) {
+      const size_t row = size_t(g) * kGroupRows + r;
+      const int lane = r / 4, d = r % 4;
+      for (int j = 0; j < row_bytes; ++j) {
+        const int chunk = j / 4, q = j % 4;  // chunk counts across blocks: 4 per block
+        group[chunk * kMxfp4ChunkBytes + 16 * lane + 4 * q + d] = codes[row * row_bytes + j];
+      }
+      for (int b = 0; b < blocks; ++b) group_scales[b * kGroupRows + r] = scales[row * blocks + b];
     }
   }
 }

@@ -8,19 +8,11 @@ from typing import ClassVar
 
 import torch
 
+from . import quant
 from ._native import ext
 
-#: Method names accepted, upstream aliases included, mapped to the weight format they mean.
-METHOD_FORMATS: dict[str, str] = {
-    "BF16": "BF16",
-    "INT8": "INT8",
-    "AMXINT8": "INT8",
-    "INT4": "INT4",
-    "AMXINT4": "INT4",
-    "MXFP4": "MXFP4",
-}
 #: Formats the engine runs today.
-IMPLEMENTED_FORMATS = ("BF16",)
+IMPLEMENTED_FORMATS = ("BF16", "MXFP4")
 _FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -38,6 +30,12 @@ def _require_cpu_tensor(name: str, value: object) -> torch.Tensor:
     if value.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU, got device {value.device}")
     return value
+
+
+def _quantize_per_expert(method: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant.quantize one expert at a time, so float32 temporaries stay the size of one expert."""
+    parts = [quant.quantize(method, expert) for expert in weight]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
 
 def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
@@ -99,22 +97,30 @@ class KTMoEWrapper:
         self.gpu_experts_mask = self._check_gpu_mask(gpu_experts_mask)
         skip = torch.nonzero(self.gpu_experts_mask).flatten().tolist()
         self._engine = ext.MoEEngine(
-            num_experts, num_experts_per_tok, hidden_size, moe_intermediate_size, cpuinfer_threads, skip
+            num_experts,
+            num_experts_per_tok,
+            hidden_size,
+            moe_intermediate_size,
+            self.method,
+            cpuinfer_threads,
+            skip,
         )
         self._loaded = False
         self._in_flight: tuple[torch.Tensor, ...] | None = None
         KTMoEWrapper._instances.add(self)
 
     # ---- construction helpers ---------------------------------------------------------------
-    @staticmethod
-    def _check_method(method: object) -> str:
-        if not isinstance(method, str) or method.upper() not in METHOD_FORMATS:
-            raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHOD_FORMATS)}")
-        weight_format = METHOD_FORMATS[method.upper()]
+    def _check_method(self, method: object) -> str:
+        weight_format = quant.weight_format(method)
         if weight_format not in IMPLEMENTED_FORMATS:
             raise NotImplementedError(
                 f"method {method!r} ({weight_format} weights) is not implemented yet; "
                 f"available: {', '.join(IMPLEMENTED_FORMATS)}"
+            )
+        if weight_format == "MXFP4" and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
+            raise ValueError(
+                "MXFP4 needs hidden_size and moe_intermediate_size to be multiples of 32, got "
+                f"{self.hidden_size} and {self.moe_intermediate_size}"
             )
         return weight_format
 
@@ -136,37 +142,80 @@ class KTMoEWrapper:
         up_proj: torch.Tensor,
         down_proj: torch.Tensor,
         physical_to_logical_map_cpu: torch.Tensor | None = None,
+        *,
+        gate_scale: torch.Tensor | None = None,
+        up_scale: torch.Tensor | None = None,
+        down_scale: torch.Tensor | None = None,
     ) -> None:
         """Copy expert weights into engine-owned memory in the method's format.
 
-        gate_proj, up_proj: [E, I, H]; down_proj: [E, H, I]; bf16, fp16 or fp32 on the CPU.
-        physical_to_logical_map_cpu[p] is the expert (first dim of the tensors) whose weights
-        physical slot p holds; topk_ids name physical slots. Default: identity (E = num_experts).
+        Without scales: float weights (bf16, fp16 or fp32), gate_proj/up_proj [E, I, H] and
+        down_proj [E, H, I], quantized on load (kt_kernel.quant.quantize). With scales (MXFP4): the
+        canonical layout, taken bit-exactly: E2M1 codes [E, N, K/2] (uint8, or int8 viewed as
+        uint8) and E8M0 scales [E, N, K/32] (uint8 or float8_e8m0fnu), N x K = I x H for gate/up and
+        H x I for down. physical_to_logical_map_cpu[p] is the expert (first dim of the tensors)
+        whose weights physical slot p holds; topk_ids name physical slots. Default: identity.
         Nothing refers to the given tensors after this returns.
         """
         self._require_idle("load weights")
-        H, intermediate = self.hidden_size, self.moe_intermediate_size
-        tensors = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
-        for name, tensor in tensors.items():
+        weights = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
+        scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
+        given = [name for name, scale in scales.items() if scale is not None]
+        if given and self.method != "MXFP4":
+            raise ValueError(f"{self.method} weights take no scales, got {', '.join(given)}")
+        if given and len(given) != 3:
+            raise ValueError("pass all of gate_scale, up_scale and down_scale, or none of them")
+        for name, tensor in weights.items():
             _require_cpu_tensor(name, tensor)
-            if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
-                raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
             if tensor.dim() != 3:
                 raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
         sources = gate_proj.shape[0]
-        _require_shape(
-            "gate_proj", gate_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]"
-        )
-        _require_shape(
-            "up_proj", up_proj, (sources, intermediate, H), "[E, moe_intermediate_size, hidden_size]"
-        )
-        _require_shape(
-            "down_proj", down_proj, (sources, H, intermediate), "[E, hidden_size, moe_intermediate_size]"
-        )
         slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
-        as_bits = [t.to(torch.bfloat16).contiguous().view(torch.int16) for t in tensors.values()]
-        self._engine.load_bf16(*as_bits, slot_map)
+        if given:
+            self._engine.load_mxfp4(*self._canonical_mxfp4(weights, scales, sources), slot_map)
+        else:
+            for name, tensor in weights.items():
+                if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
+                    raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
+                _require_shape(name, tensor, *self._projection_shape(name, sources, 1))
+            if self.method == "BF16":
+                self._engine.load_bf16(
+                    *(w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()), slot_map
+                )
+            else:
+                quantized = [_quantize_per_expert(self.method, w) for w in weights.values()]
+                self._engine.load_mxfp4(*(t for pair in quantized for t in pair), slot_map)
         self._loaded = True
+
+    def _projection_shape(self, name: str, sources: int, k_divisor: int) -> tuple[tuple[int, ...], str]:
+        """The shape of a projection's tensor whose last (input) dim is divided by k_divisor."""
+        H, intermediate = self.hidden_size, self.moe_intermediate_size
+        k_text = "" if k_divisor == 1 else f"/{k_divisor}"
+        if name.startswith("down"):
+            return (sources, H, intermediate // k_divisor), f"[E, hidden_size, moe_intermediate_size{k_text}]"
+        return (sources, intermediate, H // k_divisor), f"[E, moe_intermediate_size, hidden_size{k_text}]"
+
+    def _canonical_mxfp4(
+        self, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor | None], sources: int
+    ) -> list[torch.Tensor]:
+        """Checked uint8 views of MXFP4 codes and scales, in gate, gate_scale, up, ... order."""
+        checked = []
+        for (name, codes), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True):
+            if codes.dtype not in (torch.uint8, torch.int8):
+                raise TypeError(f"{name} must hold MXFP4 codes as uint8 or int8, got {codes.dtype}")
+            _require_shape(name, codes, *self._projection_shape(name, sources, 2))
+            scale = _require_cpu_tensor(scale_name, scale)
+            if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+                raise TypeError(f"{scale_name} must be uint8 or float8_e8m0fnu (E8M0), got {scale.dtype}")
+            _require_shape(scale_name, scale, *self._projection_shape(name, sources, quant.MXFP4_BLOCK))
+            scale = scale.contiguous().view(torch.uint8)
+            nan = (scale == quant.E8M0_NAN).nonzero()
+            if len(nan):
+                raise ValueError(
+                    f"{scale_name} holds the E8M0 NaN code 0xFF (first at index {nan[0].tolist()})"
+                )
+            checked += [codes.contiguous().view(torch.uint8), scale]
+        return checked
 
     def _check_slot_map(self, slot_map: torch.Tensor | None, sources: int) -> torch.Tensor:
         if slot_map is None:

@@ -1,0 +1,108 @@
+// AVX512 MXFP4 GEMM: E2M1 nibbles -> bf16 pairs by byte-shuffle lookups, then vdpbf16ps (or, without
+// AVX512_BF16, bf16 -> fp32 and FMA); each 32-input block's partial sums are scaled by its E8M0
+// power of two (exact) and accumulated in fp32.
+#include "paths.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+using avx512::even_bf16;
+using avx512::odd_bf16;
+
+constexpr int kDpRows = 6;   // 6 accumulators + 6 block partials + 4 decoded operands
+constexpr int kFmaRows = 4;
+
+// Decodes a 64-byte chunk into 4 operands: operand q = 16 rows x inputs (2j, 2j+1), j = 4c + q.
+struct Mxfp4Decoder {
+  __m512i low = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Bf16Low)));
+  __m512i high = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Bf16High)));
+  __m512i nibble = _mm512_set1_epi8(0x0F);
+
+  void decode(const uint8_t* chunk, __m512i out[4]) const {
+    const __m512i bytes = _mm512_load_si512(chunk);
+    const __m512i even = _mm512_and_si512(bytes, nibble);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    const __m512i even_lo = _mm512_shuffle_epi8(low, even), even_hi = _mm512_shuffle_epi8(high, even);
+    const __m512i odd_lo = _mm512_shuffle_epi8(low, odd), odd_hi = _mm512_shuffle_epi8(high, odd);
+    const __m512i even_a = _mm512_unpacklo_epi8(even_lo, even_hi), even_b = _mm512_unpackhi_epi8(even_lo, even_hi);
+    const __m512i odd_a = _mm512_unpacklo_epi8(odd_lo, odd_hi), odd_b = _mm512_unpackhi_epi8(odd_lo, odd_hi);
+    out[0] = _mm512_unpacklo_epi16(even_a, odd_a);
+    out[1] = _mm512_unpackhi_epi16(even_a, odd_a);
+    out[2] = _mm512_unpacklo_epi16(even_b, odd_b);
+    out[3] = _mm512_unpackhi_epi16(even_b, odd_b);
+  }
+};
+
+// 16 E8M0 bytes -> 16 fp32 powers of two.
+inline __m512 e8m0_scales(const uint8_t* scales) {
+  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))), 23);
+  return _mm512_castsi512_ps(_mm512_max_epi32(bits, _mm512_set1_epi32(kE8M0ZeroBits)));
+}
+
+template <int M, int NV>
+struct DpBf16Tile {
+  static_assert(NV == 1);
+  KT_TARGET_AVX512BF16 static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
+    const Mxfp4Decoder decoder;
+    __m512 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < w.k / kMxfp4Block; ++b) {
+      __m512 part[M];
+      for (int i = 0; i < M; ++i) part[i] = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        __m512i ops[4];
+        decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
+        for (int q = 0; q < 4; ++q) {
+          const int pair = b * 16 + c * 4 + q;
+          for (int i = 0; i < M; ++i)
+            part[i] = _mm512_dpbf16_ps(part[i], (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair)),
+                                       (__m512bh)ops[q]);
+        }
+      }
+      const __m512 scale = e8m0_scales(w.scales + b * kGroupRows);
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(part[i], scale, acc[i]);
+    }
+    for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * y_stride, acc[i]);
+  }
+};
+
+template <int M, int NV>
+struct FmaTile {
+  static_assert(NV == 1);
+  static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
+    const Mxfp4Decoder decoder;
+    __m512 acc[M];
+    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < w.k / kMxfp4Block; ++b) {
+      __m512 part[M];
+      for (int i = 0; i < M; ++i) part[i] = _mm512_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        __m512i ops[4];
+        decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
+        for (int q = 0; q < 4; ++q) {
+          const int pair = b * 16 + c * 4 + q;
+          const __m512 w_even = even_bf16(ops[q]), w_odd = odd_bf16(ops[q]);
+          for (int i = 0; i < M; ++i) {
+            const __m512i xv = _mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair));
+            part[i] = _mm512_fmadd_ps(even_bf16(xv), w_even, part[i]);
+            part[i] = _mm512_fmadd_ps(odd_bf16(xv), w_odd, part[i]);
+          }
+        }
+      }
+      const __m512 scale = e8m0_scales(w.scales + b * kGroupRows);
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(part[i], scale, acc[i]);
+    }
+    for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * y_stride, acc[i]);
+  }
+};
+
+}  // namespace
+
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (use_vdpbf16ps())
+    gemm_tiled<DpBf16Tile, kDpRows, 1>(x, w, y, y_stride);
+  else
+    gemm_tiled<FmaTile, kFmaRows, 1>(x, w, y, y_stride);
+}
+
+KT_NAMESPACE_END
