@@ -8,6 +8,7 @@ import torch
 from kt_kernel import KTMoEWrapper
 
 E, K, H, I = 8, 2, 64, 48
+MXI = 32  # MXFP4 needs multiples of 32
 
 
 def wrapper(**overrides) -> KTMoEWrapper:
@@ -183,3 +184,73 @@ def test_bad_forward_inputs(loaded, index, bad, error, match):
         loaded.forward(*args)
     # The wrapper is still usable afterwards.
     assert loaded.forward(*inputs()).shape == (3, H)
+
+
+def mxfp4_tensors(experts: int = E) -> dict[str, torch.Tensor]:
+    return {
+        "gate_proj": torch.zeros(experts, MXI, H // 2, dtype=torch.uint8),
+        "up_proj": torch.zeros(experts, MXI, H // 2, dtype=torch.uint8),
+        "down_proj": torch.zeros(experts, H, MXI // 2, dtype=torch.uint8),
+        "gate_scale": torch.full((experts, MXI, H // 32), 127, dtype=torch.uint8),
+        "up_scale": torch.full((experts, MXI, H // 32), 127, dtype=torch.uint8),
+        "down_scale": torch.full((experts, H, MXI // 32), 127, dtype=torch.uint8),
+    }
+
+
+def test_mxfp4_canonical_tensors_load():
+    wrapper(method="MXFP4", moe_intermediate_size=MXI).load_weights_from_tensors(**mxfp4_tensors())
+
+
+@pytest.mark.parametrize(
+    "name,bad,error,match",
+    [
+        (
+            "gate_proj",
+            torch.zeros(E, MXI, H // 2),
+            TypeError,
+            "gate_proj must hold MXFP4 codes as uint8 or int8",
+        ),
+        ("up_proj", torch.zeros(E, MXI, H, dtype=torch.uint8), ValueError, "up_proj must have shape"),
+        (
+            "down_proj",
+            torch.zeros(E, H, MXI // 2 + 1, dtype=torch.uint8),
+            ValueError,
+            "down_proj must have shape",
+        ),
+        (
+            "gate_scale",
+            torch.zeros(E, MXI, H // 32, dtype=torch.int32),
+            TypeError,
+            "gate_scale must be uint8 or",
+        ),
+        ("up_scale", torch.zeros(E, MXI, H // 16, dtype=torch.uint8), ValueError, "up_scale must have shape"),
+        ("down_scale", None, ValueError, "pass all of gate_scale, up_scale and down_scale"),
+    ],
+)
+def test_bad_mxfp4_tensors(name, bad, error, match):
+    tensors = mxfp4_tensors()
+    tensors[name] = bad
+    with pytest.raises(error, match=match):
+        wrapper(method="MXFP4", moe_intermediate_size=MXI).load_weights_from_tensors(**tensors)
+
+
+def test_nan_scale_names_the_tensor():
+    tensors = mxfp4_tensors()
+    tensors["up_scale"][3, 5, 1] = 0xFF
+    with pytest.raises(
+        ValueError, match="up_scale holds the E8M0 NaN code 0xFF \\(first at index \\[3, 5, 1\\]\\)"
+    ):
+        wrapper(method="MXFP4", moe_intermediate_size=MXI).load_weights_from_tensors(**tensors)
+
+
+def test_scales_with_bf16_are_rejected():
+    tensors = mxfp4_tensors()
+    with pytest.raises(ValueError, match="BF16 weights take no scales"):
+        wrapper().load_weights_from_tensors(*weights(), gate_scale=tensors["gate_scale"])
+
+
+def test_mxfp4_from_integer_floats_rejected():
+    with pytest.raises(TypeError, match="gate_proj must be bf16, fp16 or fp32"):
+        wrapper(method="MXFP4", moe_intermediate_size=MXI).load_weights_from_tensors(
+            torch.zeros(E, MXI, H, dtype=torch.int32), *weights()[1:]
+        )

@@ -1,5 +1,5 @@
-"""The forward suite (test_forward_bf16.py) under every build this CPU can execute, each forced
-with KT_KERNEL_CPU_VARIANT in its own process; AVX512 both with and without its BF16 path."""
+"""The kernel suites under every build this CPU can execute, each forced with KT_KERNEL_CPU_VARIANT
+in its own process; the AVX512 build both with and without its AVX512_BF16 path."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, skip_unless_cpu_runs
+from conftest import HOST_FLAGS, REPO, skip_unless_cpu_runs
 
+SUITES = ["tests/test_forward_bf16.py", "tests/test_mxfp4_kernels.py"]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
     "avx512-bf16": {"KT_KERNEL_CPU_VARIANT": "avx512"},
@@ -20,34 +21,24 @@ RUNS = {
 
 
 @pytest.mark.parametrize("run", RUNS)
-def test_forward_suite_under_build(run):
+def test_kernel_suites_under_build(run):
     env = RUNS[run]
     skip_unless_cpu_runs(env["KT_KERNEL_CPU_VARIANT"])
-    if run == "avx512-bf16":
-        from conftest import HOST_FLAGS
-
-        if "avx512_bf16" not in HOST_FLAGS:
-            pytest.skip("this CPU has no AVX512_BF16: only the plain AVX512 path can run")
+    if run == "avx512-bf16" and "avx512_bf16" not in HOST_FLAGS:
+        pytest.skip("this CPU has no AVX512_BF16: only the plain AVX512 path can run")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-W",
-            "error::RuntimeWarning",
-            "tests/test_forward_bf16.py",
-        ],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[
-        -500:
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "error::RuntimeWarning",
+        *SUITES,
     ]
+    result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary, summary

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from . import quant
+from . import checkpoint, quant
 from ._native import ext
 
 #: Formats the engine runs today.
@@ -235,9 +235,28 @@ class KTMoEWrapper:
         return slot_map
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
-        """Load this layer's experts from ``weight_path`` (not available for BF16 yet)."""
-        raise NotImplementedError(
-            "loading weights from weight_path is not supported yet; use load_weights_from_tensors"
+        """Load layer ``layer_idx`` from the checkpoint directory ``weight_path``.
+
+        MXFP4: the DeepSeek-V4-Flash layout (see kt_kernel.checkpoint), experts 0..E-1 of the
+        layer, or as many as physical_to_logical_map_cpu refers to.
+        """
+        if self.weight_path is None:
+            raise ValueError("load_weights needs weight_path (a checkpoint directory)")
+        if self.method != "MXFP4":
+            raise NotImplementedError(
+                f"loading {self.method} weights from weight_path is not supported yet; "
+                "use load_weights_from_tensors"
+            )
+        sources = self.num_experts
+        if physical_to_logical_map_cpu is not None:
+            sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
+        tensors = checkpoint.read_v4_flash_experts(self.weight_path, self.layer_idx, sources)
+        self.load_weights_from_tensors(
+            tensors.pop("gate"),
+            tensors.pop("up"),
+            tensors.pop("down"),
+            physical_to_logical_map_cpu,
+            **tensors,
         )
 
     # ---- forward ------------------------------------------------------------------------------
