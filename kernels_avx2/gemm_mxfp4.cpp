@@ -1,5 +1,5 @@
-// AVX2 MXFP4 GEMM (the universal fallback): E2M1 nibbles -> bf16 pairs by byte-shuffle lookups in
-// each 128-bit lane, widened to fp32 and FMA'd; each 32-input block's partial sums are scaled by
+// AVX2 MXFP4 GEMM (the universal fallback): E2M1 nibbles -> bf16 pairs by byte-shuffle lookups,
+// widened to fp32 and FMA'd; each 32-input block's partial sums are scaled by
 // its E8M0 power of two (exact) and accumulated in fp32. One tile covers 8 of a group's 16 rows
 // (one ymm), so the two halves of a group are done one after the other.
 #include "bf16_pairs.h"
@@ -12,24 +12,23 @@ using avx2::odd_bf16;
 
 constexpr int kRows = 2;
 
-// Decodes 32 bytes (half a 64-byte chunk: 8 rows) into 4 operands of 8 rows x inputs (2j, 2j+1).
+// Decodes 32 bytes (half a 64-byte chunk: 8 rows) into 4 operands of 8 rows x inputs (2j, 2j+1):
+// a shift and a mask isolate each pair's two codes in the low bytes of the two 16-bit halves; two
+// byte lookups give the bf16 low and high bytes.
 struct Mxfp4Decoder {
   __m256i low = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Bf16Low)));
   __m256i high = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Bf16High)));
-  __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256i pair_mask = _mm256_set1_epi32(kMxfp4PairMask);
 
+  __m256i lookup(__m256i codes) const {
+    return _mm256_or_si256(_mm256_shuffle_epi8(low, codes), _mm256_slli_epi16(_mm256_shuffle_epi8(high, codes), 8));
+  }
   void decode(const uint8_t* half_chunk, __m256i out[4]) const {
-    const __m256i bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(half_chunk));
-    const __m256i even = _mm256_and_si256(bytes, nibble);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-    const __m256i even_lo = _mm256_shuffle_epi8(low, even), even_hi = _mm256_shuffle_epi8(high, even);
-    const __m256i odd_lo = _mm256_shuffle_epi8(low, odd), odd_hi = _mm256_shuffle_epi8(high, odd);
-    const __m256i even_a = _mm256_unpacklo_epi8(even_lo, even_hi), even_b = _mm256_unpackhi_epi8(even_lo, even_hi);
-    const __m256i odd_a = _mm256_unpacklo_epi8(odd_lo, odd_hi), odd_b = _mm256_unpackhi_epi8(odd_lo, odd_hi);
-    out[0] = _mm256_unpacklo_epi16(even_a, odd_a);
-    out[1] = _mm256_unpackhi_epi16(even_a, odd_a);
-    out[2] = _mm256_unpacklo_epi16(even_b, odd_b);
-    out[3] = _mm256_unpackhi_epi16(even_b, odd_b);
+    const __m256i words = _mm256_load_si256(reinterpret_cast<const __m256i*>(half_chunk));
+    out[0] = lookup(_mm256_and_si256(words, pair_mask));
+    out[1] = lookup(_mm256_and_si256(_mm256_srli_epi32(words, 4), pair_mask));
+    out[2] = lookup(_mm256_and_si256(_mm256_srli_epi32(words, 8), pair_mask));
+    out[3] = lookup(_mm256_and_si256(_mm256_srli_epi32(words, 12), pair_mask));
   }
 };
 

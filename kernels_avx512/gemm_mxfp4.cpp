@@ -1,4 +1,4 @@
-// AVX512 MXFP4 GEMM: E2M1 nibbles -> bf16 pairs by byte-shuffle lookups, then vdpbf16ps (or, without
+// AVX512 MXFP4 GEMM: E2M1 nibbles -> bf16 pairs by word-table lookups (vpermw), then vdpbf16ps (or, without
 // AVX512_BF16, bf16 -> fp32 and FMA); each 32-input block's partial sums are scaled by its E8M0
 // power of two (exact) and accumulated in fp32.
 #include "paths.h"
@@ -12,24 +12,18 @@ using avx512::odd_bf16;
 constexpr int kDpRows = 6;   // 6 accumulators + 6 block partials + 4 decoded operands
 constexpr int kFmaRows = 4;
 
-// Decodes a 64-byte chunk into 4 operands: operand q = 16 rows x inputs (2j, 2j+1), j = 4c + q.
+// Decodes a 64-byte chunk into 4 operands: operand q = 16 rows x inputs (2j, 2j+1), j = 4c + q:
+// a shift and a mask isolate each pair's two codes, one vpermw looks both up.
 struct Mxfp4Decoder {
-  __m512i low = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Bf16Low)));
-  __m512i high = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2M1Bf16High)));
-  __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512i table = _mm512_broadcast_i32x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kE2M1Bf16)));
+  __m512i pair_mask = _mm512_set1_epi32(kMxfp4PairMask);
 
   void decode(const uint8_t* chunk, __m512i out[4]) const {
-    const __m512i bytes = _mm512_load_si512(chunk);
-    const __m512i even = _mm512_and_si512(bytes, nibble);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-    const __m512i even_lo = _mm512_shuffle_epi8(low, even), even_hi = _mm512_shuffle_epi8(high, even);
-    const __m512i odd_lo = _mm512_shuffle_epi8(low, odd), odd_hi = _mm512_shuffle_epi8(high, odd);
-    const __m512i even_a = _mm512_unpacklo_epi8(even_lo, even_hi), even_b = _mm512_unpackhi_epi8(even_lo, even_hi);
-    const __m512i odd_a = _mm512_unpacklo_epi8(odd_lo, odd_hi), odd_b = _mm512_unpackhi_epi8(odd_lo, odd_hi);
-    out[0] = _mm512_unpacklo_epi16(even_a, odd_a);
-    out[1] = _mm512_unpackhi_epi16(even_a, odd_a);
-    out[2] = _mm512_unpacklo_epi16(even_b, odd_b);
-    out[3] = _mm512_unpackhi_epi16(even_b, odd_b);
+    const __m512i words = _mm512_load_si512(chunk);
+    out[0] = _mm512_permutexvar_epi16(_mm512_and_si512(words, pair_mask), table);
+    out[1] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(words, 4), pair_mask), table);
+    out[2] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(words, 8), pair_mask), table);
+    out[3] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(words, 12), pair_mask), table);
   }
 };
 

@@ -80,7 +80,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
 
   m.def("linear",
         [](const std::string& method, Bf16In2 x, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>> weight,
-           std::optional<CpuArray<const uint8_t, nb::ndim<2>>> scale, Float32Out2 y) {
+           std::optional<CpuArray<const uint8_t, nb::ndim<2>>> scale, Float32Out2 y, int repeats) {
           const kt::WeightFormat format = parse_format(method);
           const int m = int(x.shape(0)), k = int(x.shape(1)), n = int(y.shape(1));
           require(y.shape(0) == x.shape(0) && weight.shape(0) == y.shape(1), "x, weight and y disagree in shape");
@@ -91,12 +91,15 @@ NB_MODULE(KT_MODULE_NAME, m) {
           } else {
             require(weight.shape(1) == size_t(k) && weight.itemsize() == 2, "BF16 weight must be [n, k] bf16");
           }
+          require(repeats >= 1, "repeats must be >= 1");
           nb::gil_scoped_release release;
-          kt::linear(format, bf16_data(x.data()), m, k,
-                     {weight.data(), scale ? scale->data() : nullptr}, n, y.data());
+          return kt::linear(format, bf16_data(x.data()), m, k, {weight.data(), scale ? scale->data() : nullptr}, n,
+                            y.data(), repeats);
         },
         nb::arg("method"), nb::arg("x"), nb::arg("weight"), nb::arg("scale").none(), nb::arg("y"),
-        "y = x @ weight.T with one kernel call on this thread (testing aid; weight in canonical layout).");
+        nb::arg("repeats") = 1,
+        "y = x @ weight.T by the kernel on this thread (weight in canonical layout); returns the mean "
+        "seconds of one GEMM over `repeats` runs (packing excluded). A testing and profiling aid.");
 
   nb::class_<kt::MoEEngine>(m, "MoEEngine")
       .def("__init__",

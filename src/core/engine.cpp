@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -63,7 +64,8 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
           group_scale_bytes, k, count};
 }
 
-void linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y) {
+double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
+              int repeats) {
   PackedProjection packed;
   packed.allocate(format, 1, n, k);
   if (format == WeightFormat::kMxfp4)
@@ -79,11 +81,16 @@ void linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection
   }
   const Activations activations{rows.data(), size_t(stride), nullptr, m};
   const PackedGroups all = packed.groups(0, 0, packed_groups(n));
-  if (format == WeightFormat::kMxfp4)
-    gemm_mxfp4(activations, all, out.data(), y_stride);
-  else
-    gemm_bf16(activations, all, out.data(), y_stride);
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r < repeats; ++r) {
+    if (format == WeightFormat::kMxfp4)
+      gemm_mxfp4(activations, all, out.data(), y_stride);
+    else
+      gemm_bf16(activations, all, out.data(), y_stride);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (int i = 0; i < m; ++i) std::memcpy(y + size_t(i) * n, out.data() + size_t(i) * y_stride, n * sizeof(float));
+  return seconds / repeats;
 }
 
 MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts)

@@ -44,8 +44,10 @@ struct SourceProjection {
 };
 
 // y[m][n] = x[m][k] . W[n][k] on the calling thread, W given like SourceProjection (one matrix):
-// the kernels without the MoE around them, for tests of odd shapes.
-void linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y);
+// the kernels without the MoE around them, for tests of odd shapes and kernel timing. Packs W once,
+// runs the GEMM `repeats` times and returns the mean seconds of one GEMM.
+double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
+              int repeats = 1);
 
 class MoEEngine {
  public:

@@ -49,12 +49,16 @@ inline int32_t load_bf16_pair(const bf16_t* p) {
   return pair;
 }
 
-// E2M1 codes 0..15 as bf16, split into low and high bytes for byte-shuffle lookups:
-// 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated (bit 3 = sign).
+// E2M1 codes 0..15 as bf16 (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated: bit 3 = sign), whole
+// and split into low and high bytes for byte-shuffle lookups.
+constexpr uint16_t kE2M1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 constexpr uint8_t kE2M1Bf16Low[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
                                       0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
 constexpr uint8_t kE2M1Bf16High[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
                                        0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+// Masks the two codes of a pair out of a packed MXFP4 word (see kernels.h).
+constexpr int32_t kMxfp4PairMask = 0x000F000F;
 // E8M0 scale 0 means 2^-127, an fp32 denormal; every other byte s maps to the bits s << 23.
 constexpr int32_t kE8M0ZeroBits = 0x00400000;
 

@@ -45,9 +45,11 @@ void pack_bf16(const bf16_t* weights, int rows, int k, uint8_t* packed);
 // ---- MXFP4 (OCP Microscaling: E2M1 values, one E8M0 scale per 32 inputs) --------------------
 // Canonical input: codes [rows][k/2] (low nibble = even k), scales [rows][k/32]; k % 32 == 0.
 // Packed: per group, per 32-input block, four 64-byte chunks; chunk c holds input pairs
-// j = 4c..4c+3 (byte j of a row = its inputs 2j, 2j+1) at byte 16*l + 4*q + d for row 4*l + d and
-// pair 4c + q. Unpacking the nibbles within each 128-bit lane (AVX2 and AVX512 alike) then yields
-// the BF16 pair layout above. Scales: per group, per block, 16 bytes (one per row).
+// j = 4c..4c+3 as one 32-bit word per row (row r at bytes 4r..4r+3) with the code of input 2j in
+// bits 4(j%4)..+3 and the code of input 2j+1 sixteen bits higher. Shifting a word right by 4(j%4)
+// and masking with 0x000F000F leaves the two codes of pair j in the two 16-bit halves, ready for
+// one table lookup (vpermw; two vpshufb on AVX2) that yields the BF16 pair layout above.
+// Scales: per group, per block, 16 bytes (one per row).
 constexpr int kMxfp4Block = 32;
 constexpr int kMxfp4ChunkBytes = 64;
 inline size_t mxfp4_group_bytes(int k) { return size_t(k / kMxfp4Block) * 4 * kMxfp4ChunkBytes; }

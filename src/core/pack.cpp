@@ -31,10 +31,13 @@ void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, ui
     std::memset(group_scales, 0, mxfp4_group_scale_bytes(k));
     for (int r = 0; r < kGroupRows && g * kGroupRows + r < rows; ++r) {
       const size_t row = size_t(g) * kGroupRows + r;
-      const int lane = r / 4, d = r % 4;
-      for (int j = 0; j < row_bytes; ++j) {
-        const int chunk = j / 4, q = j % 4;  // chunk counts across blocks: 4 per block
-        group[chunk * kMxfp4ChunkBytes + 16 * lane + 4 * q + d] = codes[row * row_bytes + j];
+      for (int j = 0; j < row_bytes; ++j) {  // byte j = codes of inputs 2j (low) and 2j + 1 (high)
+        const uint32_t byte = codes[row * row_bytes + j], shift = 4 * (j % 4);
+        uint32_t word;
+        uint8_t* at = group + (j / 4) * kMxfp4ChunkBytes + 4 * r;
+        std::memcpy(&word, at, sizeof(word));
+        word |= ((byte & 0xF) << shift) | ((byte >> 4) << (16 + shift));
+        std::memcpy(at, &word, sizeof(word));
       }
       for (int b = 0; b < blocks; ++b) group_scales[b * kGroupRows + r] = scales[row * blocks + b];
     }
