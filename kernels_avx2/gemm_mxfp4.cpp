@@ -42,14 +42,16 @@ inline __m256 e8m0_scales(const uint8_t* scales) {
 template <int M, int NV>
 struct FmaTile {
   static_assert(NV == 1);
+  static constexpr int kChains = accumulator_chains(M);
   static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
     const Mxfp4Decoder decoder;
     for (int half = 0; half < 2; ++half) {
       __m256 acc[M];
       for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
       for (int b = 0; b < w.k / kMxfp4Block; ++b) {
-        __m256 part[M];
-        for (int i = 0; i < M; ++i) part[i] = _mm256_setzero_ps();
+        __m256 part[M][kChains];  // this block's unscaled sums
+        for (int i = 0; i < M; ++i)
+          for (int h = 0; h < kChains; ++h) part[i][h] = _mm256_setzero_ps();
         for (int c = 0; c < 4; ++c) {
           __m256i ops[4];
           decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes + half * 32, ops);
@@ -58,13 +60,17 @@ struct FmaTile {
             const __m256 w_even = even_bf16(ops[q]), w_odd = odd_bf16(ops[q]);
             for (int i = 0; i < M; ++i) {
               const __m256i xv = _mm256_set1_epi32(load_bf16_pair(x[i] + 2 * pair));
-              part[i] = _mm256_fmadd_ps(even_bf16(xv), w_even, part[i]);
-              part[i] = _mm256_fmadd_ps(odd_bf16(xv), w_odd, part[i]);
+              __m256& sum = part[i][q % kChains];
+              sum = _mm256_fmadd_ps(odd_bf16(xv), w_odd, _mm256_fmadd_ps(even_bf16(xv), w_even, sum));
             }
           }
         }
         const __m256 scale = e8m0_scales(w.scales + b * kGroupRows + half * 8);
-        for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(part[i], scale, acc[i]);
+        for (int i = 0; i < M; ++i) {
+          __m256 sum = part[i][0];
+          for (int h = 1; h < kChains; ++h) sum = _mm256_add_ps(sum, part[i][h]);
+          acc[i] = _mm256_fmadd_ps(sum, scale, acc[i]);
+        }
       }
       for (int i = 0; i < M; ++i) _mm256_storeu_ps(y + i * y_stride + half * 8, acc[i]);
     }

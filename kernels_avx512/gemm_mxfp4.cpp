@@ -33,28 +33,39 @@ inline __m512 e8m0_scales(const uint8_t* scales) {
   return _mm512_castsi512_ps(_mm512_max_epi32(bits, _mm512_set1_epi32(kE8M0ZeroBits)));
 }
 
+template <int Chains>
+inline __m512 sum_chains(const __m512 (&part)[Chains]) {
+  __m512 sum = part[0];
+  for (int h = 1; h < Chains; ++h) sum = _mm512_add_ps(sum, part[h]);
+  return sum;
+}
+
 template <int M, int NV>
 struct DpBf16Tile {
   static_assert(NV == 1);
+  static constexpr int kChains = accumulator_chains(M);
   KT_TARGET_AVX512BF16 static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
     const Mxfp4Decoder decoder;
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < w.k / kMxfp4Block; ++b) {
-      __m512 part[M];
-      for (int i = 0; i < M; ++i) part[i] = _mm512_setzero_ps();
+      __m512 part[M][kChains];  // this block's unscaled sums
+      for (int i = 0; i < M; ++i)
+        for (int h = 0; h < kChains; ++h) part[i][h] = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
         __m512i ops[4];
         decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
         for (int q = 0; q < 4; ++q) {
           const int pair = b * 16 + c * 4 + q;
-          for (int i = 0; i < M; ++i)
-            part[i] = _mm512_dpbf16_ps(part[i], (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair)),
-                                       (__m512bh)ops[q]);
+          for (int i = 0; i < M; ++i) {
+            __m512& sum = part[i][q % kChains];
+            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair)),
+                                   (__m512bh)ops[q]);
+          }
         }
       }
       const __m512 scale = e8m0_scales(w.scales + b * kGroupRows);
-      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(part[i], scale, acc[i]);
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(sum_chains<kChains>(part[i]), scale, acc[i]);
     }
     for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * y_stride, acc[i]);
   }
@@ -63,13 +74,15 @@ struct DpBf16Tile {
 template <int M, int NV>
 struct FmaTile {
   static_assert(NV == 1);
+  static constexpr int kChains = accumulator_chains(M);
   static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
     const Mxfp4Decoder decoder;
     __m512 acc[M];
     for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < w.k / kMxfp4Block; ++b) {
-      __m512 part[M];
-      for (int i = 0; i < M; ++i) part[i] = _mm512_setzero_ps();
+      __m512 part[M][kChains];  // this block's unscaled sums
+      for (int i = 0; i < M; ++i)
+        for (int h = 0; h < kChains; ++h) part[i][h] = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
         __m512i ops[4];
         decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
@@ -78,13 +91,13 @@ struct FmaTile {
           const __m512 w_even = even_bf16(ops[q]), w_odd = odd_bf16(ops[q]);
           for (int i = 0; i < M; ++i) {
             const __m512i xv = _mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair));
-            part[i] = _mm512_fmadd_ps(even_bf16(xv), w_even, part[i]);
-            part[i] = _mm512_fmadd_ps(odd_bf16(xv), w_odd, part[i]);
+            __m512& sum = part[i][q % kChains];
+            sum = _mm512_fmadd_ps(odd_bf16(xv), w_odd, _mm512_fmadd_ps(even_bf16(xv), w_even, sum));
           }
         }
       }
       const __m512 scale = e8m0_scales(w.scales + b * kGroupRows);
-      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(part[i], scale, acc[i]);
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(sum_chains<kChains>(part[i]), scale, acc[i]);
     }
     for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * y_stride, acc[i]);
   }

@@ -42,6 +42,10 @@ void gemm_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_
   }
 }
 
+// Independent accumulators per activation row, so that few rows (decode) still keep several
+// multiply-adds in flight instead of waiting on one dependency chain.
+constexpr int accumulator_chains(int rows) { return rows >= 4 ? 1 : 4 / rows; }
+
 // The two bf16 activations x[2p], x[2p+1] as one 32-bit lane (low half = even input).
 inline int32_t load_bf16_pair(const bf16_t* p) {
   int32_t pair;

@@ -49,7 +49,7 @@ void ThreadPool::start(std::function<void(int)> job) {
 }
 
 void ThreadPool::wait() {
-  if (spin_until([this] { return unfinished_.load(std::memory_order_acquire) == 0; })) return;
+  // No spinning here: the waiting (Python) thread would take a core from the workers.
   std::unique_lock<std::mutex> lock(mutex_);
   job_finished_.wait(lock, [this] { return unfinished_.load(std::memory_order_acquire) == 0; });
 }
