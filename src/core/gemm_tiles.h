@@ -12,34 +12,43 @@
 
 KT_NAMESPACE_BEGIN
 
-// x_rows: M activation rows; w: NV groups starting at w.values; y: M rows x NV * 16 outputs.
-using TileFn = void (*)(const bf16_t* const* x_rows, const PackedGroups& w, float* y, size_t y_stride);
+// x_rows: M activation rows (bf16, or fp32 where a kernel widens them first); w: NV groups starting
+// at w.values; y: M rows x NV * 16 outputs.
+template <typename T>
+using TileFn = void (*)(const T* const* x_rows, const PackedGroups& w, float* y, size_t y_stride);
 
-template <template <int, int> class Tile, int MaxM, int NV>
+template <template <int, int> class Tile, int MaxM, int NV, typename T>
 struct TileTable {
   template <size_t... I>
-  static constexpr std::array<TileFn, sizeof...(I)> make(std::index_sequence<I...>) {
+  static constexpr std::array<TileFn<T>, sizeof...(I)> make(std::index_sequence<I...>) {
     return {{&Tile<int(I / NV) + 1, int(I % NV) + 1>::run...}};
   }
-  static constexpr std::array<TileFn, MaxM * NV> table = make(std::make_index_sequence<MaxM * NV>{});
+  static constexpr std::array<TileFn<T>, MaxM * NV> table = make(std::make_index_sequence<MaxM * NV>{});
 };
 
-template <template <int, int> class Tile, int MaxM, int NV>
-void gemm_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+// row_of(i) -> const T*: activation row i of m.
+template <template <int, int> class Tile, int MaxM, int NV, typename T, typename RowOf>
+void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_stride) {
   for (int g0 = 0; g0 < w.groups; g0 += NV) {
     const int nv = std::min(NV, w.groups - g0);
     PackedGroups block = w;
     block.values += g0 * w.group_bytes;
     block.scales += g0 * w.group_scale_bytes;
     block.groups = nv;
-    for (int i0 = 0; i0 < x.rows; i0 += MaxM) {
-      const int mm = std::min(MaxM, x.rows - i0);
-      const bf16_t* rows[MaxM];
-      for (int i = 0; i < mm; ++i) rows[i] = x.row(i0 + i);
-      TileTable<Tile, MaxM, NV>::table[(mm - 1) * NV + (nv - 1)](rows, block,
-                                                                 y + size_t(i0) * y_stride + g0 * kGroupRows, y_stride);
+    for (int i0 = 0; i0 < m; i0 += MaxM) {
+      const int mm = std::min(MaxM, m - i0);
+      const T* rows[MaxM];
+      for (int i = 0; i < mm; ++i) rows[i] = row_of(i0 + i);
+      TileTable<Tile, MaxM, NV, T>::table[(mm - 1) * NV + (nv - 1)](rows, block,
+                                                                    y + size_t(i0) * y_stride + g0 * kGroupRows,
+                                                                    y_stride);
     }
   }
+}
+
+template <template <int, int> class Tile, int MaxM, int NV>
+void gemm_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled<Tile, MaxM, NV, bf16_t>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
 }
 
 // Independent accumulators per activation row, so that few rows (decode) still keep several
