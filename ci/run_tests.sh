@@ -17,7 +17,8 @@ if ! command -v qemu-x86_64 >/dev/null || ! command -v objdump >/dev/null; then
 fi
 
 rm -rf dist
-python -m pip wheel -q --no-deps --no-build-isolation -w dist .
+# KT_KERNEL_AMX_EMULATION adds the test-only module that runs the AMX tile code on emulated tiles.
+python -m pip wheel -q --no-deps --no-build-isolation -C cmake.define.KT_KERNEL_AMX_EMULATION=ON -w dist .
 wheel=$(ls dist/kt_kernel-*.whl)
 python -m pip install -q --no-deps --force-reinstall "$wheel"
 KT_KERNEL_WHEEL="$PWD/$wheel" python -m pytest tests -ra "$@"

@@ -83,7 +83,7 @@ KernelInfo kernel_info() {
   return {"avx512", vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)"};
 }
 
-void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   if (vdpbf16ps_enabled)
     gemm_tiled<DpBf16Tile, kDpRows, kDpGroups>(x, w, y, y_stride);
   else

@@ -17,6 +17,10 @@ KT_NAMESPACE_BEGIN
 // True when the CPU has AVX512_BF16 and KT_KERNEL_DISABLE_AVX512_BF16 does not forbid it.
 bool use_vdpbf16ps();
 
+// The AVX512 BF16 GEMM; gemm_bf16 of the avx512 build (bf16_entry.cpp), and of the amx build below
+// its tile threshold (kernels_amx/).
+void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+
 namespace avx512 {
 
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.

@@ -12,6 +12,9 @@
 #include "engine.h"
 #include "kernels.h"
 #include "machine_probe.h"
+#ifdef KT_AMX_EMULATED
+#include "../../kernels_amx/tiles.h"
+#endif
 
 namespace nb = nanobind;
 using kt::bf16_t;
@@ -42,7 +45,7 @@ kt::WeightFormat parse_format(const std::string& method) {
 }  // namespace
 
 NB_MODULE(KT_MODULE_NAME, m) {
-  kt::require_cpu_support(KT_VARIANT_NAME);  // throws -> ImportError, before any ISA code runs
+  kt::require_cpu_support(KT_CPU_CHECK);  // throws -> ImportError, before any ISA code runs
   kt::init_kernels();
 
   m.doc() = "kt_kernel compiled kernels, " KT_VARIANT_NAME " build";
@@ -53,7 +56,14 @@ NB_MODULE(KT_MODULE_NAME, m) {
     nb::dict d;
     d["variant"] = KT_VARIANT_NAME;
     d["kernels"] = info.isa;
+#ifdef KT_AMX_TILES
+    d["bf16_path"] = std::string("amx_bf16 tiles (blocks of 32 rows, k % 32 == 0), else ") + info.bf16_path;
+#else
     d["bf16_path"] = info.bf16_path;
+#endif
+#ifdef KT_AMX_EMULATED
+    d["emulated_tile_products"] = kt::amx::emulated_tile_products();
+#endif
     return d;
   }, "Which kernels this build runs on this CPU.");
 

@@ -1,0 +1,85 @@
+// gemm_bf16 of the amx build: AMX-BF16 tiles for blocks of 32 activation rows when k is a multiple
+// of 32, the AVX512 kernel for the rest. The packed BF16 layout (kernels.h) is already the tile's
+// B operand: 16 input pairs x 16 output rows x 2 = one 16 x 64-byte tile per 32 inputs of a group.
+#include <algorithm>
+
+#include "../kernels_avx512/paths.h"
+#include "tiles.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+constexpr int kTokenBlock = 2 * amx::kTileRows;  // two A tiles
+constexpr int kGroupBlock = 2;                    // two B tiles: C tiles 0-3 cover 32 tokens x 32 outputs
+constexpr int kInputsPerTile = 2 * amx::kTileRows;
+
+// y[0:32][0:32] for 32 contiguous activation rows (row stride x_bytes) and groups g, g+1.
+void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const uint8_t* group1, int k, float* y,
+                size_t y_stride) {
+  // Tiles 0-3: C (tokens 0-15 / 16-31 x groups 0 / 1); 4-5: A (activations); 6-7: B (weights).
+  KT_TILE_ZERO(0);
+  KT_TILE_ZERO(1);
+  KT_TILE_ZERO(2);
+  KT_TILE_ZERO(3);
+  for (int k0 = 0; k0 < k; k0 += kInputsPerTile) {
+    KT_TILE_LOAD(4, x + k0 * sizeof(bf16_t), x_bytes);
+    KT_TILE_LOAD(5, x + amx::kTileRows * x_bytes + k0 * sizeof(bf16_t), x_bytes);
+    KT_TILE_LOAD(6, group0 + size_t(k0 / 2) * amx::kTileBytes, amx::kTileBytes);
+    KT_TILE_LOAD(7, group1 + size_t(k0 / 2) * amx::kTileBytes, amx::kTileBytes);
+    KT_TILE_DOT_BF16(0, 4, 6);
+    KT_TILE_DOT_BF16(1, 4, 7);
+    KT_TILE_DOT_BF16(2, 5, 6);
+    KT_TILE_DOT_BF16(3, 5, 7);
+  }
+  const size_t y_bytes = y_stride * sizeof(float);
+  KT_TILE_STORE(0, y, y_bytes);
+  KT_TILE_STORE(1, y + kGroupRows, y_bytes);
+  KT_TILE_STORE(2, y + amx::kTileRows * y_stride, y_bytes);
+  KT_TILE_STORE(3, y + amx::kTileRows * y_stride + kGroupRows, y_bytes);
+}
+
+}  // namespace
+
+#ifdef KT_AMX_EMULATED
+long amx::emulated_tile_products() { return amx::EmulatedTiles::products; }
+#endif
+
+void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  const int tile_rows = x.rows / kTokenBlock * kTokenBlock, tile_groups = w.groups / kGroupBlock * kGroupBlock;
+  if (w.k % kInputsPerTile != 0 || tile_rows == 0 || tile_groups == 0) return gemm_bf16_avx512(x, w, y, y_stride);
+
+  // Tiles load rows with one stride: gather routed rows into a contiguous block first.
+  thread_local AlignedBuffer<bf16_t> gathered;
+  const bf16_t* rows = x.base;
+  size_t row_elems = x.stride;
+  if (x.row_ids != nullptr) {
+    gathered.reserve(size_t(tile_rows) * w.k);
+    for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered.data() + size_t(i) * w.k, x.row(i), w.k * sizeof(bf16_t));
+    rows = gathered.data();
+    row_elems = w.k;
+  }
+  static const amx::TileConfig config;
+  amx::configure_tiles(config);
+  for (int g = 0; g < tile_groups; g += kGroupBlock)
+    for (int i = 0; i < tile_rows; i += kTokenBlock)
+      tile_block(reinterpret_cast<const uint8_t*>(rows + size_t(i) * row_elems), row_elems * sizeof(bf16_t),
+                 w.values + g * w.group_bytes, w.values + (g + 1) * w.group_bytes, w.k,
+                 y + size_t(i) * y_stride + g * kGroupRows, y_stride);
+  amx::release_tiles();
+
+  // The edges: a last odd group for the tiled rows, and the rows below a whole tile block.
+  if (tile_groups < w.groups) {
+    PackedGroups last = w;
+    last.values += tile_groups * w.group_bytes;
+    last.groups = w.groups - tile_groups;
+    gemm_bf16_avx512(Activations{x.base, x.stride, x.row_ids, tile_rows}, last, y + tile_groups * kGroupRows,
+                     y_stride);
+  }
+  if (tile_rows < x.rows) {
+    const Activations rest{x.base, x.stride, x.row_ids ? x.row_ids + tile_rows : nullptr, x.rows - tile_rows};
+    const Activations shifted = x.row_ids ? rest : Activations{x.row(tile_rows), x.stride, nullptr, x.rows - tile_rows};
+    gemm_bf16_avx512(shifted, w, y + size_t(tile_rows) * y_stride, y_stride);
+  }
+}
+
+KT_NAMESPACE_END

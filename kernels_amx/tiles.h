@@ -1,0 +1,81 @@
+// The AMX tile operations the kernels use, twice: on the hardware (intrinsics), and emulated in
+// software with the same semantics, so that the tile code is tested on CPUs without AMX (the test
+// module built with -DKT_KERNEL_AMX_EMULATION=ON).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common.h"
+
+KT_NAMESPACE_BEGIN
+namespace amx {
+
+constexpr int kTileRows = 16;   // rows of every tile used here
+constexpr int kTileBytes = 64;  // bytes per row: 16 fp32, or 32 bf16 (16 pairs)
+
+// Palette 1 with tiles 0-7 all 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes};
+  uint8_t rows[16] = {kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows};
+};
+
+#ifndef KT_AMX_EMULATED
+// Hardware tiles. The intrinsics need literal tile numbers, hence macros.
+inline void configure_tiles(const TileConfig& config) { _tile_loadconfig(&config); }
+inline void release_tiles() { _tile_release(); }
+#define KT_TILE_ZERO(t) _tile_zero(t)
+#define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define KT_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define KT_TILE_DOT_BF16(c, a, b) _tile_dpbf16ps(c, a, b)  // C[m][n] += sum_p A[m][pair p] . B[p][n]
+#else
+// Software tiles: eight 16 x 64-byte registers per thread; TDPBF16PS as the ISA reference defines it
+// (fp32 products of bf16 pairs, accumulated in order into the fp32 element).
+struct EmulatedTiles {
+  alignas(64) static inline thread_local uint8_t reg[8][kTileRows][kTileBytes];
+  static inline thread_local long products = 0;  // tile products run (the tests check the path ran)
+
+  static void zero(int t) { std::memset(reg[t], 0, sizeof(reg[t])); }
+  static void load(int t, const void* base, size_t stride) {
+    for (int r = 0; r < kTileRows; ++r) std::memcpy(reg[t][r], static_cast<const uint8_t*>(base) + r * stride, kTileBytes);
+  }
+  static void store(int t, void* base, size_t stride) {
+    for (int r = 0; r < kTileRows; ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, reg[t][r], kTileBytes);
+  }
+  static void dot_bf16(int c, int a, int b) {
+    ++products;
+    for (int m = 0; m < kTileRows; ++m)
+      for (int n = 0; n < kTileRows; ++n) {
+        float sum;
+        std::memcpy(&sum, &reg[c][m][4 * n], sizeof(sum));
+        for (int p = 0; p < kTileRows; ++p)
+          for (int h = 0; h < 2; ++h) sum += bf16_at(reg[a][m], 2 * p + h) * bf16_at(reg[b][p], 2 * n + h);
+        std::memcpy(&reg[c][m][4 * n], &sum, sizeof(sum));
+      }
+  }
+
+ private:
+  static float bf16_at(const uint8_t* row, int index) {
+    uint16_t bits;
+    std::memcpy(&bits, row + 2 * index, sizeof(bits));
+    const uint32_t wide = uint32_t(bits) << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof(value));
+    return value;
+  }
+};
+inline void configure_tiles(const TileConfig&) {}
+inline void release_tiles() {}
+#define KT_TILE_ZERO(t) amx::EmulatedTiles::zero(t)
+#define KT_TILE_LOAD(t, base, stride) amx::EmulatedTiles::load(t, base, stride)
+#define KT_TILE_STORE(t, base, stride) amx::EmulatedTiles::store(t, base, stride)
+#define KT_TILE_DOT_BF16(c, a, b) amx::EmulatedTiles::dot_bf16(c, a, b)
+
+// Tile products run so far on the calling thread.
+long emulated_tile_products();
+#endif
+
+}  // namespace amx
+KT_NAMESPACE_END

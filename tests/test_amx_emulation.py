@@ -1,0 +1,59 @@
+"""The amx build's tile code, run on software-emulated tiles (module _kt_kernel_amx_emulated, built
+with -C cmake.define.KT_KERNEL_AMX_EMULATION=ON, as ci/run_tests.sh does): same kernels source,
+same packing, the tile instructions replaced by a reference implementation of their semantics."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from conftest import skip_unless_cpu_runs
+from moe_reference import assert_close_to_reference, make_problem, reference_forward
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    skip_unless_cpu_runs("avx512")  # the emulated build is the amx build's code on AVX512 only
+    try:
+        return importlib.import_module("kt_kernel._kt_kernel_amx_emulated")
+    except ModuleNotFoundError:
+        pytest.skip("built without -C cmake.define.KT_KERNEL_AMX_EMULATION=ON (see ci/run_tests.sh)")
+
+
+def tile_products(module) -> int:
+    return module.kernel_info()["emulated_tile_products"]
+
+
+# (tokens, outputs, inputs, tiles used): tiles take blocks of 32 tokens x 32 outputs when the
+# inputs are a multiple of 32; everything else goes to the AVX512 kernel.
+@pytest.mark.parametrize(
+    "tokens,n,k,tiled",
+    [(32, 32, 64, True), (33, 40, 96, True), (600, 48, 256, True), (96, 17, 32, True), (31, 64, 64, False),
+     (64, 16, 64, False), (64, 64, 48, False)],
+)  # fmt: skip
+def test_linear_on_emulated_tiles(emulated, tokens, n, k, tiled):
+    g = torch.Generator().manual_seed(tokens + n + k)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    y = torch.empty(tokens, n)
+    before = tile_products(emulated)
+    emulated.linear("BF16", x.view(torch.int16), w.view(torch.int16), None, y)
+    assert (tile_products(emulated) > before) == tiled
+    ref = x.double() @ w.double().T
+    assert torch.all((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30)
+
+
+def test_moe_forward_on_emulated_tiles(emulated):
+    """Gate/up read routed (gathered) rows, down contiguous ones: both through the tiles."""
+    p = make_problem(experts=6, top_k=2, hidden=128, inter=96, tokens=80, seed=3)
+    p.ids[:, 0] = 1  # expert 1 takes all 80 tokens: two full tile blocks and a tail
+    p.ids[:, 1] = torch.where(p.ids[:, 1] == 1, torch.full_like(p.ids[:, 1], 4), p.ids[:, 1])
+    engine = emulated.MoEEngine(6, 2, 128, 96, "BF16", 2, [])
+    bits = [w.to(torch.bfloat16).contiguous().view(torch.int16) for w in (p.gate, p.up, p.down)]
+    engine.load_bf16(*bits, torch.arange(6))
+    out = torch.empty(80, 128, dtype=torch.bfloat16)
+    engine.submit(p.hidden.view(torch.int16), p.ids, p.weights, out.view(torch.int16))
+    engine.sync()
+    assert_close_to_reference(out, reference_forward(p))
