@@ -2,7 +2,6 @@
 // widened to fp32 and FMA'd with activations widened to fp32 once per call; each 32-input block's
 // partial sums are scaled by its E8M0 power of two (exact) and accumulated in fp32. One tile covers
 // 8 of a group's 16 rows (one ymm), so the two halves of a group are done one after the other.
-#include "bf16.h"
 #include "bf16_pairs.h"
 
 KT_NAMESPACE_BEGIN
@@ -159,15 +158,7 @@ void gemm_decoded(const float* rows, int m, const PackedGroups& w, float* y, siz
 }  // namespace
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  // Widened once here, the activations are broadcast straight from memory inside the tiles.
-  thread_local AlignedBuffer<float> widened;
-  widened.reserve(size_t(x.rows) * w.k);
-  for (int i = 0; i < x.rows; ++i) {
-    const bf16_t* src = x.row(i);
-    float* dst = widened.data() + size_t(i) * w.k;
-    for (int c = 0; c < w.k; ++c) dst[c] = bf16_to_float(src[c]);
-  }
-  const float* rows = widened.data();
+  const float* rows = avx2::widen_rows(x, w.k);
   if (x.rows >= kDecodedMinRows)
     gemm_decoded(rows, x.rows, w, y, y_stride);
   else
