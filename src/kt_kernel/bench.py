@@ -153,11 +153,12 @@ def run_worker(args: argparse.Namespace) -> dict:
     variant = kt_kernel.__cpu_variant__
     label = variant + ("-plain" if variant != "avx2" and not uses_dpbf16 else "")
     rows: list[Row] = []
-    total = len(args.shape) * len(args.format) * len(args.tokens)
+    steps = len(args.shape) * (len(args.format) + args.torch) * len(args.tokens)
+    step = 0
     for shape in args.shape:
         experts, top_k, hidden, inter = SHAPES[shape]
         gate, up, down = random_weights(shape)
-        baseline = partial(torch_moe, gate=gate, up=up, down=down)
+        shape_rows: list[Row] = []
         for fmt in args.format:
             moe = KTMoEWrapper(
                 layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
@@ -166,32 +167,44 @@ def run_worker(args: argparse.Namespace) -> dict:
             )  # fmt: skip
             moe.load_weights_from_tensors(gate, up, down)
             for tokens in args.tokens:
-                progress(len(rows), total, f"{label} {shape} {fmt} T={tokens}")
+                progress(step, steps, f"{label} {shape} {fmt} T={tokens}")
+                step += 1
                 inputs = call_inputs(shape, tokens, args.calls + 2)  # fresh routing for every call
-                timing = (inputs, args.row_seconds, min(5, args.calls), args.calls)
-                times = time_calls(moe.forward, *timing, warmup=2)
-                torch_times = time_calls(baseline, *timing, warmup=1) if args.torch else None
+                times = time_calls(
+                    moe.forward, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=2
+                )
                 touched = statistics.mean(int(ids.unique().numel()) for _, ids, _ in inputs)
                 median = statistics.median(times)
                 deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
                 gbps = touched * 3 * hidden * inter * WEIGHT_BYTES[fmt] / median / 1e9
                 tflops = 2 * 3 * hidden * inter * tokens * top_k / median / 1e12
                 decode = tokens <= DECODE_MAX_TOKENS
-                torch_median = statistics.median(torch_times) if torch_times else None
-                rows.append(
+                shape_rows.append(
                     Row(
                         variant=label, shape=shape, format=fmt, tokens=tokens, calls=len(times),
                         median_ms=median * 1e3, p10_ms=deciles[0] * 1e3, p90_ms=deciles[-1] * 1e3,
                         tokens_per_s=tokens / median, gbps=gbps, tflops=tflops,
                         pct_of_bandwidth=100 * gbps / dram if decode else None,
                         pct_of_peak=None if decode else 100 * tflops * 1e3 / peak[peak_op],
-                        peak_op=peak_op,
-                        torch_median_ms=torch_median * 1e3 if torch_median else None,
-                        speedup_vs_torch=torch_median / median if torch_median else None,
+                        peak_op=peak_op, torch_median_ms=None, speedup_vs_torch=None,
                     )
                 )  # fmt: skip
             del moe
-    progress(len(rows), total, "done\n")
+        # PyTorch after the engine's rows (its OpenMP threads keep spinning after each call and would
+        # take cores from the engine), once per token count: the same calls for every format.
+        baseline = partial(torch_moe, gate=gate, up=up, down=down)
+        for tokens in args.tokens if args.torch else ():
+            progress(step, steps, f"{label} {shape} torch T={tokens}")
+            step += 1
+            inputs = call_inputs(shape, tokens, args.calls + 2)
+            median = statistics.median(
+                time_calls(baseline, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=1)
+            )
+            for row in shape_rows:
+                if row.tokens == tokens:
+                    row.torch_median_ms, row.speedup_vs_torch = median * 1e3, median * 1e3 / row.median_ms
+        rows += shape_rows
+    progress(steps, steps, "done\n")
     return {"variant": label, "dram_gbps": dram, "peak_gflops": peak, "kernels": kernels,
             "rows": [asdict(r) for r in rows]}  # fmt: skip
 
