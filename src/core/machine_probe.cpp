@@ -11,8 +11,9 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
+// Sorted run times of `body`.
 template <typename Body>
-double median_seconds(int repeats, Body body) {
+std::vector<double> run_times(int repeats, Body body) {
   std::vector<double> times;
   for (int r = 0; r < repeats; ++r) {
     const auto start = std::chrono::steady_clock::now();
@@ -20,7 +21,7 @@ double median_seconds(int repeats, Body body) {
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  return times;
 }
 
 }  // namespace
@@ -39,7 +40,7 @@ double measure_read_bandwidth(int threads, size_t bytes, int repeats) {
     slice(worker, &begin, &end);
     for (size_t i = begin; i < end; ++i) buffer.data()[i] = i;
   });
-  const double seconds = median_seconds(repeats, [&] {
+  const std::vector<double> times = run_times(repeats, [&] {
     pool.run([&](int worker) {
       size_t begin, end;
       slice(worker, &begin, &end);
@@ -48,7 +49,7 @@ double measure_read_bandwidth(int threads, size_t bytes, int repeats) {
       sink.fetch_xor(acc, std::memory_order_relaxed);
     });
   });
-  return double(words * sizeof(uint64_t)) / seconds / 1e9;
+  return double(words * sizeof(uint64_t)) / times[times.size() / 2] / 1e9;  // median
 }
 
 double measure_peak_gflops(int threads, PeakOp op) {
@@ -57,8 +58,9 @@ double measure_peak_gflops(int threads, PeakOp op) {
   constexpr int64_t kIterations = 20'000'000;
   std::vector<double> flops(threads);
   pool.run([&](int) { peak_probe(op, kIterations / 10); });  // warm up clocks
+  // The fastest of a few runs: a peak is a maximum, and a run a thread lost its core in is not one.
   const double seconds =
-      median_seconds(3, [&] { pool.run([&](int worker) { flops[worker] = peak_probe(op, kIterations); }); });
+      run_times(5, [&] { pool.run([&](int worker) { flops[worker] = peak_probe(op, kIterations); }); }).front();
   double total = 0;
   for (double f : flops) total += f;
   return total / seconds / 1e9;

@@ -9,7 +9,7 @@ KT_NAMESPACE_BEGIN
 
 // Median over `repeats` of a streaming read of `bytes` (far larger than the caches), in GB/s.
 double measure_read_bandwidth(int threads, size_t bytes, int repeats);
-// Flop/s of `op` on `threads` threads (0 when unsupported), median of a few runs, in GFLOP/s.
+// Flop/s of `op` on `threads` threads (0 when unsupported), best of a few runs, in GFLOP/s.
 double measure_peak_gflops(int threads, PeakOp op);
 
 KT_NAMESPACE_END
