@@ -1,4 +1,5 @@
-// AVX512 BF16 GEMM: vdpbf16ps when the CPU has AVX512_BF16, plain AVX512F fp32 FMA otherwise.
+// AVX512 BF16 GEMM: the vdpbf16ps path where the CPU has AVX512_BF16 (vdpbf16ps.cpp), else plain
+// AVX512F fp32 FMA here. Also the start-up choice between the two.
 #include <cstdlib>
 #include <cstring>
 
@@ -12,32 +13,9 @@ using avx512::even_bf16;
 using avx512::odd_bf16;
 
 // Register blocking: rows x 16-column groups held in zmm accumulators (of 32 registers).
-constexpr int kDpRows = 6, kDpGroups = 4;    // 24 accumulators + 4 weight lines
 constexpr int kFmaRows = 4, kFmaGroups = 4;  // 16 accumulators + 8 decoded weight vectors
 
 bool vdpbf16ps_enabled = false;  // constant-initialised: no code runs at load time
-
-template <int M, int NV>
-struct DpBf16Tile {
-  KT_TARGET_AVX512BF16 static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
-    const bf16_t* values = reinterpret_cast<const bf16_t*>(w.values);
-    const size_t group_elems = w.group_bytes / sizeof(bf16_t);
-    __m512 acc[M][NV];
-    for (int i = 0; i < M; ++i)
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
-    for (int p = 0; p < round_up(w.k, 2) / 2; ++p) {
-      __m512bh wv[NV];
-      for (int j = 0; j < NV; ++j)
-        wv[j] = (__m512bh)_mm512_load_si512(values + j * group_elems + size_t(p) * 2 * kGroupRows);
-      for (int i = 0; i < M; ++i) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * p));
-        for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-      }
-    }
-    for (int i = 0; i < M; ++i)
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(y + i * y_stride + j * kGroupRows, acc[i][j]);
-  }
-};
 
 template <int M, int NV>
 struct FmaTile {
@@ -85,7 +63,7 @@ KernelInfo kernel_info() {
 
 void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   if (vdpbf16ps_enabled)
-    gemm_tiled<DpBf16Tile, kDpRows, kDpGroups>(x, w, y, y_stride);
+    gemm_bf16_vdpbf16ps(x, w, y, y_stride);
   else
     gemm_tiled<FmaTile, kFmaRows, kFmaGroups>(x, w, y, y_stride);
 }

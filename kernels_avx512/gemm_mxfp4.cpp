@@ -1,105 +1,17 @@
-// AVX512 MXFP4 GEMM: E2M1 nibbles -> bf16 pairs by word-table lookups (vpermw), then vdpbf16ps (or, without
-// AVX512_BF16, bf16 -> fp32 and FMA); each 32-input block's partial sums are scaled by its E8M0
-// power of two (exact) and accumulated in fp32.
-#include "paths.h"
+// AVX512 MXFP4 GEMM: the vdpbf16ps path where the CPU has AVX512_BF16 (vdpbf16ps.cpp), else the
+// plain AVX512F path here (bf16 -> fp32, FMA). The tile itself is mxfp4_tile.h.
+#include "mxfp4_tile.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
 
-using avx512::even_bf16;
-using avx512::odd_bf16;
-
-constexpr int kDpRows = 6;   // 6 accumulators + 6 block partials + 4 decoded operands
 constexpr int kFmaRows = 4;
 
-// Decodes a 64-byte chunk into 4 operands: operand q = 16 rows x inputs (2j, 2j+1), j = 4c + q:
-// a shift and a mask isolate each pair's two codes, one vpermw looks both up.
-struct Mxfp4Decoder {
-  __m512i table = _mm512_broadcast_i32x8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kE2M1Bf16)));
-  __m512i pair_mask = _mm512_set1_epi32(kMxfp4PairMask);
-
-  void decode(const uint8_t* chunk, __m512i out[4]) const {
-    const __m512i words = _mm512_load_si512(chunk);
-    out[0] = _mm512_permutexvar_epi16(_mm512_and_si512(words, pair_mask), table);
-    out[1] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(words, 4), pair_mask), table);
-    out[2] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(words, 8), pair_mask), table);
-    out[3] = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(words, 12), pair_mask), table);
-  }
-};
-
-// 16 E8M0 bytes -> 16 fp32 powers of two.
-inline __m512 e8m0_scales(const uint8_t* scales) {
-  const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales))), 23);
-  return _mm512_castsi512_ps(_mm512_max_epi32(bits, _mm512_set1_epi32(kE8M0ZeroBits)));
-}
-
-template <int Chains>
-inline __m512 sum_chains(const __m512 (&part)[Chains]) {
-  __m512 sum = part[0];
-  for (int h = 1; h < Chains; ++h) sum = _mm512_add_ps(sum, part[h]);
-  return sum;
-}
-
-template <int M, int NV>
-struct DpBf16Tile {
-  static_assert(NV == 1);
-  static constexpr int kChains = accumulator_chains(M);
-  KT_TARGET_AVX512BF16 static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
-    const Mxfp4Decoder decoder;
-    __m512 acc[M];
-    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
-    for (int b = 0; b < w.k / kMxfp4Block; ++b) {
-      __m512 part[M][kChains];  // this block's unscaled sums
-      for (int i = 0; i < M; ++i)
-        for (int h = 0; h < kChains; ++h) part[i][h] = _mm512_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
-        __m512i ops[4];
-        decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
-        for (int q = 0; q < 4; ++q) {
-          const int pair = b * 16 + c * 4 + q;
-          for (int i = 0; i < M; ++i) {
-            __m512& sum = part[i][q % kChains];
-            sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair)),
-                                   (__m512bh)ops[q]);
-          }
-        }
-      }
-      const __m512 scale = e8m0_scales(w.scales + b * kGroupRows);
-      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(sum_chains<kChains>(part[i]), scale, acc[i]);
-    }
-    for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * y_stride, acc[i]);
-  }
-};
-
-template <int M, int NV>
-struct FmaTile {
-  static_assert(NV == 1);
-  static constexpr int kChains = accumulator_chains(M);
-  static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
-    const Mxfp4Decoder decoder;
-    __m512 acc[M];
-    for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
-    for (int b = 0; b < w.k / kMxfp4Block; ++b) {
-      __m512 part[M][kChains];  // this block's unscaled sums
-      for (int i = 0; i < M; ++i)
-        for (int h = 0; h < kChains; ++h) part[i][h] = _mm512_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
-        __m512i ops[4];
-        decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
-        for (int q = 0; q < 4; ++q) {
-          const int pair = b * 16 + c * 4 + q;
-          const __m512 w_even = even_bf16(ops[q]), w_odd = odd_bf16(ops[q]);
-          for (int i = 0; i < M; ++i) {
-            const __m512i xv = _mm512_set1_epi32(load_bf16_pair(x[i] + 2 * pair));
-            __m512& sum = part[i][q % kChains];
-            sum = _mm512_fmadd_ps(odd_bf16(xv), w_odd, _mm512_fmadd_ps(even_bf16(xv), w_even, sum));
-          }
-        }
-      }
-      const __m512 scale = e8m0_scales(w.scales + b * kGroupRows);
-      for (int i = 0; i < M; ++i) acc[i] = _mm512_fmadd_ps(sum_chains<kChains>(part[i]), scale, acc[i]);
-    }
-    for (int i = 0; i < M; ++i) _mm512_storeu_ps(y + i * y_stride, acc[i]);
+struct FmaDot {
+  static void accumulate(__m512& sum, const bf16_t* x_pair, __m512i w) {
+    const __m512i xv = _mm512_set1_epi32(load_bf16_pair(x_pair));
+    sum = _mm512_fmadd_ps(avx512::even_bf16(xv), avx512::even_bf16(w), sum);
+    sum = _mm512_fmadd_ps(avx512::odd_bf16(xv), avx512::odd_bf16(w), sum);
   }
 };
 
@@ -107,9 +19,9 @@ struct FmaTile {
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   if (use_vdpbf16ps())
-    gemm_tiled<DpBf16Tile, kDpRows, 1>(x, w, y, y_stride);
+    gemm_mxfp4_vdpbf16ps(x, w, y, y_stride);
   else
-    gemm_tiled<FmaTile, kFmaRows, 1>(x, w, y, y_stride);
+    gemm_tiled<avx512::Mxfp4Tiles<FmaDot>::Tile, kFmaRows, 1>(x, w, y, y_stride);
 }
 
 KT_NAMESPACE_END

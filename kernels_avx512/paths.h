@@ -9,9 +9,6 @@
 
 #include "gemm_tiles.h"
 
-// AVX512_BF16 code is enabled per function and runs only after CPUID said the CPU has it.
-#define KT_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 KT_NAMESPACE_BEGIN
 
 // True when the CPU has AVX512_BF16 and KT_KERNEL_DISABLE_AVX512_BF16 does not forbid it.
@@ -20,6 +17,12 @@ bool use_vdpbf16ps();
 // The AVX512 BF16 GEMM; gemm_bf16 of the avx512 build (bf16_entry.cpp), and of the amx build below
 // its tile threshold (kernels_amx/).
 void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+
+// All AVX512_BF16 code, in vdpbf16ps.cpp (the one file compiled with -mavx512bf16); called only
+// after CPUID reported AVX512_BF16.
+void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+double dpbf16_peak_probe(int64_t iterations);  // flops done
 
 namespace avx512 {
 

@@ -5,20 +5,8 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
-constexpr int kChains = 12;
-volatile float probe_sink;  // keeps the loops from being optimised away
-
-KT_TARGET_AVX512BF16 double dpbf16_probe(int64_t iterations) {
-  __m512 acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(float(c));
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x3F803F80);
-  for (int64_t i = 0; i < iterations; ++i)
-    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
-  __m512 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  probe_sink = _mm512_reduce_add_ps(sum);
-  return double(iterations) * kChains * 16 * 2 * 2;
-}
+constexpr int kChains = 12;  // as in dpbf16_peak_probe
+volatile float probe_sink;   // keeps the loop from being optimised away
 
 double fma_probe(int64_t iterations) {
   __m512 acc[kChains];
@@ -39,7 +27,7 @@ double peak_probe(PeakOp op, int64_t iterations) {
     case PeakOp::kFmaF32:
       return fma_probe(iterations);
     case PeakOp::kDpBf16:
-      return detect_cpu_features().avx512_bf16 ? dpbf16_probe(iterations) : 0.0;
+      return detect_cpu_features().avx512_bf16 ? dpbf16_peak_probe(iterations) : 0.0;
   }
   return 0.0;
 }

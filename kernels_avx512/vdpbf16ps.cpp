@@ -1,0 +1,64 @@
+// Everything that executes AVX512_BF16 instructions: this file alone is compiled with -mavx512bf16
+// (CMakeLists.txt), and its functions run only after CPUID reported AVX512_BF16 (use_vdpbf16ps()).
+#include "mxfp4_tile.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+// BF16: rows x 16-column groups of accumulators, weight lines used straight as vdpbf16ps operands.
+constexpr int kDpRows = 6, kDpGroups = 4;  // 24 accumulators + 4 weight lines
+constexpr int kMxfp4Rows = 6;              // 6 accumulators + 6 block partials + 4 decoded operands
+volatile float probe_sink;                 // keeps the peak probe's loop from being optimised away
+
+template <int M, int NV>
+struct DpBf16Tile {
+  static void run(const bf16_t* const* x, const PackedGroups& w, float* y, size_t y_stride) {
+    const bf16_t* values = reinterpret_cast<const bf16_t*>(w.values);
+    const size_t group_elems = w.group_bytes / sizeof(bf16_t);
+    __m512 acc[M][NV];
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int p = 0; p < round_up(w.k, 2) / 2; ++p) {
+      __m512bh wv[NV];
+      for (int j = 0; j < NV; ++j)
+        wv[j] = (__m512bh)_mm512_load_si512(values + j * group_elems + size_t(p) * 2 * kGroupRows);
+      for (int i = 0; i < M; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * p));
+        for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(y + i * y_stride + j * kGroupRows, acc[i][j]);
+  }
+};
+
+struct DpBf16Dot {
+  static void accumulate(__m512& sum, const bf16_t* x_pair, __m512i w) {
+    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(load_bf16_pair(x_pair)), (__m512bh)w);
+  }
+};
+
+}  // namespace
+
+void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled<DpBf16Tile, kDpRows, kDpGroups>(x, w, y, y_stride);
+}
+
+void gemm_mxfp4_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled<avx512::Mxfp4Tiles<DpBf16Dot>::Tile, kMxfp4Rows, 1>(x, w, y, y_stride);
+}
+
+double dpbf16_peak_probe(int64_t iterations) {
+  constexpr int kChains = 12;  // enough independent accumulators to hide the latency
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(float(c));
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = (__m512bh)_mm512_set1_epi32(0x3F803F80);
+  for (int64_t i = 0; i < iterations; ++i)
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  __m512 sum = acc[0];
+  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  probe_sink = _mm512_reduce_add_ps(sum);
+  return double(iterations) * kChains * 16 * 2 * 2;
+}
+
+KT_NAMESPACE_END
