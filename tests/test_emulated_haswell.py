@@ -1,6 +1,6 @@
 """On a CPU without AVX512 (qemu-user emulating Haswell) whose /proc/cpuinfo still shows the host's
 AVX512 flags, `import kt_kernel` must end on the avx2 build (CPUID refusal + fallback, no SIGILL)
-and a forward must run and match the reference."""
+and BF16 and MXFP4 forwards must run and match the reference."""
 
 from __future__ import annotations
 
@@ -20,9 +20,19 @@ import warnings
 warnings.simplefilter("always")
 import torch, kt_kernel
 from moe_reference import make_problem, reference_forward, assert_close_to_reference
+from mxfp4_reference import decode_mxfp4
 p = make_problem(experts=8, top_k=2, hidden=64, inter=40, tokens=5)
 moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 40, None, 2, 1, None, 512, method="BF16")
 moe.load_weights_from_tensors(p.gate, p.up, p.down)
+assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
+# MXFP4, the format the AVX2 build is the universal fallback for.
+p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=9)
+p.ids[:, 0] = 3  # expert 3 takes all 9 tokens (the prefill path), the others one or two
+p.ids[:, 1] = torch.where(p.ids[:, 1] == 3, torch.full_like(p.ids[:, 1], 5), p.ids[:, 1])
+moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method="MXFP4")
+moe.load_weights_from_tensors(p.gate, p.up, p.down)  # quantized on load
+for name in ("gate", "up", "down"):  # the reference uses the exact quantized weights
+    setattr(p, name, decode_mxfp4(*kt_kernel.quant.quantize("MXFP4", getattr(p, name))).float())
 assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
 print("VARIANT", kt_kernel.__cpu_variant__, kt_kernel.cpu_info()["kernels"]["bf16_path"])
 """
