@@ -6,6 +6,7 @@ paths), forcing the build with KT_KERNEL_CPU_VARIANT in a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -209,3 +210,15 @@ def test_clear_buffer_cache_keeps_results():
     assert KTMoEWrapper.get_capture_batch_sizes() == [1, 2, 4]
     KTMoEWrapper.clear_buffer_cache()
     assert torch.equal(moe.forward(p.hidden, p.ids, p.weights), before)
+
+
+def test_tiny_calls_done_inline_match_the_pool():
+    """A call of a few multiply-adds runs on the calling thread, a large one on the pool; each
+    token's result depends only on its own row and experts, so the two must agree bit for bit."""
+    p = make_problem(experts=8, top_k=2, hidden=64, inter=32, tokens=300, seed=18)
+    moe = make_wrapper(p)
+    pooled = moe.forward(p.hidden, p.ids, p.weights)  # 600 rows x 3 x 64 x 32 multiply-adds
+    inline = moe.forward(p.hidden[:3], p.ids[:3], p.weights[:3])  # 6 rows: inline
+    first3 = dataclasses.replace(p, hidden=p.hidden[:3], ids=p.ids[:3], weights=p.weights[:3])
+    assert_close_to_reference(inline, reference_forward(first3))
+    assert torch.equal(inline, pooled[:3])

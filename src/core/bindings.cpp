@@ -154,7 +154,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
              engine.submit(bf16_data(hidden.data()), int(hidden.shape(0)), ids.data(), weights.data(),
                            reinterpret_cast<bf16_t*>(out.data()));
            },
-           "Start a forward; hidden and out must stay alive until sync().")
+           nb::call_guard<nb::gil_scoped_release>(), "Start a forward; hidden and out must stay alive until sync().")
       .def("sync", &kt::MoEEngine::sync, nb::call_guard<nb::gil_scoped_release>())
       .def("release_scratch", &kt::MoEEngine::release_scratch)
       .def_prop_ro("pending", &kt::MoEEngine::pending);

@@ -17,6 +17,8 @@ namespace {
 // one expert over many threads in decode, large enough to reuse activations in prefill.
 constexpr int kBlockGroups = 4;
 constexpr int kBlockCols = kBlockGroups * kGroupRows;
+// Calls of at most this many multiply-adds (tens of microseconds on one core) run on the caller.
+constexpr double kInlineMultiplyAdds = 2e6;
 
 // exp(x) as 2^n * 2^f, f in [0, 1) by a degree-6 polynomial (relative error ~1e-7): written so
 // the compiler vectorizes the SwiGLU loop with the variant's ISA.
@@ -115,7 +117,7 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
 }
 
 MoEEngine::~MoEEngine() {
-  if (pending_) pool_.wait();
+  if (pending_ && !ran_inline_) pool_.wait();
 }
 
 void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
@@ -223,13 +225,19 @@ void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, con
   down_tasks_ = ceil_div(packed_groups(shape_.hidden), kBlockGroups);
   next_gate_up_task_.store(0);
   next_down_task_.store(0);
-  pool_.start([this](int worker) { forward_worker(worker); });
   pending_ = true;
+  // A tiny problem is done right here: handing it to the pool and waking this thread again would
+  // cost more than the work.
+  ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= kInlineMultiplyAdds;
+  if (ran_inline_)
+    forward_worker(0, 1, [] {});
+  else
+    pool_.start([this](int worker) { forward_worker(worker, pool_.size(), [this] { pool_.barrier(); }); });
 }
 
 void MoEEngine::sync() {
   if (!pending_) throw std::logic_error("sync without a submitted forward");
-  pool_.wait();
+  if (!ran_inline_) pool_.wait();
   pending_ = false;
 }
 
@@ -240,17 +248,20 @@ void MoEEngine::release_scratch() {
   for (ThreadScratch& s : scratch_) s = ThreadScratch{};
 }
 
-void MoEEngine::forward_worker(int worker) {
+// One worker's part of the call: copy tokens in, gate/up tasks, down tasks, phases separated by
+// barrier() (a no-op when one thread does everything).
+template <typename Barrier>
+void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
   const int H = shape_.hidden;
-  for (int t = worker; t < tokens_; t += pool_.size()) {
+  for (int t = worker; t < tokens_; t += workers) {
     bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
     std::memcpy(row, hidden_in_ + size_t(t) * H, H * sizeof(bf16_t));
     std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
   }
-  pool_.barrier();
+  barrier();
   for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
     gate_up_task(task, scratch_[worker]);
-  pool_.barrier();
+  barrier();
   for (int block; (block = next_down_task_.fetch_add(1, std::memory_order_relaxed)) < down_tasks_;)
     down_task(block, scratch_[worker]);
 }

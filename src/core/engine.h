@@ -61,8 +61,9 @@ class MoEEngine {
   void load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
             const int64_t* source_of_slot);
 
-  // Starts a forward over `tokens` rows and returns at once. Routing is read (and checked) here;
-  // hidden (bf16 [tokens, hidden]) and out (bf16 [tokens, hidden]) must stay valid until sync().
+  // Starts a forward over `tokens` rows and returns at once (a tiny one is computed right away).
+  // Routing is read (and checked) here; hidden (bf16 [tokens, hidden]) and out (bf16 [tokens,
+  // hidden]) must stay valid until sync().
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
   void sync();
   bool pending() const { return pending_; }
@@ -74,7 +75,8 @@ class MoEEngine {
     AlignedBuffer<float> gate, up, acc, down;
   };
 
-  void forward_worker(int worker);
+  template <typename Barrier>
+  void forward_worker(int worker, int workers, Barrier barrier);
   void gate_up_task(int task, ThreadScratch& scratch);
   void down_task(int block, ThreadScratch& scratch);
   void pack(PackedProjection& dst, SourceProjection src, int slot, size_t source);
@@ -85,6 +87,7 @@ class MoEEngine {
   std::vector<uint8_t> skip_;
   bool loaded_ = false;
   bool pending_ = false;
+  bool ran_inline_ = false;  // the call in flight was done by submit() itself
   PackedProjection gate_, up_, down_;
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
 
