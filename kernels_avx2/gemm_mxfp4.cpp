@@ -54,7 +54,9 @@ struct FmaTile {
           for (int h = 0; h < kChains; ++h) part[i][h] = _mm256_setzero_ps();
         for (int c = 0; c < 4; ++c) {
           __m256i ops[4];
-          decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes + half * 32, ops);
+          const uint8_t* half_chunk = w.values + (b * 4 + c) * kMxfp4ChunkBytes + half * 32;
+          prefetch_weights(half_chunk);
+          decoder.decode(half_chunk, ops);
           for (int q = 0; q < 4; ++q) {
             const int pair = b * 16 + c * 4 + q;
             const __m256 w_even = even_bf16(ops[q]), w_odd = odd_bf16(ops[q]);

@@ -47,7 +47,9 @@ struct Mxfp4Tiles {
           for (int h = 0; h < kChains; ++h) part[i][h] = _mm512_setzero_ps();
         for (int c = 0; c < 4; ++c) {
           __m512i ops[4];
-          decoder.decode(w.values + (b * 4 + c) * kMxfp4ChunkBytes, ops);
+          const uint8_t* chunk = w.values + (b * 4 + c) * kMxfp4ChunkBytes;
+          prefetch_weights(chunk);
+          decoder.decode(chunk, ops);
           for (int q = 0; q < 4; ++q)
             for (int i = 0; i < M; ++i) Dot::accumulate(part[i][q % kChains], x[i] + 2 * (b * 16 + c * 4 + q), ops[q]);
         }
