@@ -8,6 +8,19 @@ import torch
 import torch.nn.functional as F
 
 
+def moe_wrapper(experts: int, top_k: int, hidden: int, inter: int, **overrides):
+    """A KTMoEWrapper with the tests' defaults (2 threads, BF16); keywords override them."""
+    from kt_kernel import KTMoEWrapper
+
+    args = dict(
+        layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+        moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=2, threadpool_count=1,
+        weight_path=None, chunked_prefill_size=512, method="BF16",
+    )  # fmt: skip
+    args.update(overrides)
+    return KTMoEWrapper(**args)
+
+
 @dataclass
 class MoEProblem:
     gate: torch.Tensor  # [E, I, H] fp32

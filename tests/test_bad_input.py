@@ -7,26 +7,14 @@ import torch
 
 from kt_kernel import KTMoEWrapper
 
+from moe_reference import moe_wrapper
+
 E, K, H, I = 8, 2, 64, 48
 MXI = 32  # MXFP4 needs multiples of 32
 
 
 def wrapper(**overrides) -> KTMoEWrapper:
-    args = dict(
-        layer_idx=0,
-        num_experts=E,
-        num_experts_per_tok=K,
-        hidden_size=H,
-        moe_intermediate_size=I,
-        gpu_experts_mask=None,
-        cpuinfer_threads=2,
-        threadpool_count=1,
-        weight_path=None,
-        chunked_prefill_size=512,
-        method="BF16",
-    )
-    args.update(overrides)
-    return KTMoEWrapper(**args)
+    return moe_wrapper(E, K, H, I, **overrides)
 
 
 def weights(experts: int = E, dtype=torch.bfloat16):

@@ -15,24 +15,20 @@ import torch
 import kt_kernel
 from kt_kernel import KTMoEWrapper
 
-from moe_reference import assert_close_to_reference, make_problem, random_routing, reference_forward
+from moe_reference import (
+    assert_close_to_reference,
+    make_problem,
+    moe_wrapper,
+    random_routing,
+    reference_forward,
+)
 
 
 def make_wrapper(p, threads: int = 2, gpu_experts_mask=None, slot_map=None) -> KTMoEWrapper:
     _, top_k, hidden, inter = p.shape
     experts = len(slot_map) if slot_map is not None else p.gate.shape[0]
-    moe = KTMoEWrapper(
-        layer_idx=0,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        hidden_size=hidden,
-        moe_intermediate_size=inter,
-        gpu_experts_mask=gpu_experts_mask,
-        cpuinfer_threads=threads,
-        threadpool_count=1,
-        weight_path=None,
-        chunked_prefill_size=512,
-        method="BF16",
+    moe = moe_wrapper(
+        experts, top_k, hidden, inter, gpu_experts_mask=gpu_experts_mask, cpuinfer_threads=threads
     )
     if slot_map is None:
         moe.load_weights_from_tensors(p.gate, p.up, p.down)

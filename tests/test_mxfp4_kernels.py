@@ -10,7 +10,7 @@ from mxfp4_reference import decode_mxfp4
 from kt_kernel import KTMoEWrapper, quant
 from kt_kernel._native import ext
 
-from moe_reference import assert_close_to_reference, make_problem, reference_forward
+from moe_reference import assert_close_to_reference, make_problem, moe_wrapper, reference_forward
 
 
 def kernel_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -85,12 +85,7 @@ def test_scale_zero_means_two_to_minus_127():
 
 
 def mxfp4_wrapper(p, threads: int = 2, gpu_experts_mask=None) -> KTMoEWrapper:
-    experts, top_k, hidden, inter = p.shape
-    return KTMoEWrapper(
-        layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
-        moe_intermediate_size=inter, gpu_experts_mask=gpu_experts_mask, cpuinfer_threads=threads,
-        threadpool_count=1, weight_path=None, chunked_prefill_size=512, method="MXFP4",
-    )  # fmt: skip
+    return moe_wrapper(*p.shape, gpu_experts_mask=gpu_experts_mask, cpuinfer_threads=threads, method="MXFP4")
 
 
 def canonical(p):
