@@ -9,6 +9,14 @@ MXFP4 (OCP Microscaling, as DeepSeek-V4-Flash ships its experts), for a weight `
 - ``quantize`` picks, per block of 32, the smallest power of two that keeps the block's largest
   magnitude within 6, then rounds every value to the nearest E2M1 value (ties to even).
 
+INT8, for a weight ``[..., N, K]``: values ``[..., N, K]`` int8 (symmetric, -127..127 when
+quantized here; -128 is accepted when loaded), scales ``[..., N]`` float32, one per output row;
+w = q * s.
+
+INT4: values ``[..., N, K/2]`` uint8, two signed 4-bit values per byte (two's complement, -8..7),
+the LOW nibble holds the even k; scales ``[..., N, K/G]`` float32, G = K / scales.shape[-1] in
+{32, 64, 128}; w = q * s[k // G]. ``quantize`` uses -7..7 (symmetric) and G = 128 unless told.
+
 BF16 is the weight itself in bfloat16 (no scales).
 """
 
@@ -26,6 +34,8 @@ METHOD_FORMATS: dict[str, str] = {
     "MXFP4": "MXFP4",
 }
 
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 128
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
@@ -41,16 +51,33 @@ def weight_format(method: str) -> str:
     return METHOD_FORMATS[method.upper()]
 
 
-def quantize(method: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float weight ``[..., N, K]`` -> (values, scales) in the method's canonical layout."""
+def int4_group_size(k: int) -> int:
+    """The group size quantize-on-load uses for INT4 with k inputs: the largest of 128, 64, 32 dividing k."""
+    for group in sorted(INT4_GROUP_SIZES, reverse=True):
+        if k % group == 0:
+            return group
+    raise ValueError(f"INT4 needs the input dimension to be a multiple of 32, got {k}")
+
+
+def quantize(
+    method: str, weight: torch.Tensor, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float weight ``[..., N, K]`` -> (values, scales) in the method's canonical layout.
+
+    ``group_size`` is for INT4 only (default: ``int4_group_size(K)``, 128 where K allows).
+    """
     fmt = weight_format(method)
     if not weight.dtype.is_floating_point:
         raise TypeError(f"quantize expects a floating-point weight, got {weight.dtype}")
+    if group_size is not None and fmt != "INT4":
+        raise ValueError(f"group_size applies to INT4 only, not {fmt}")
     if fmt == "BF16":
         return weight.to(torch.bfloat16).contiguous(), None
     if fmt == "MXFP4":
         return _quantize_mxfp4(weight)
-    raise NotImplementedError(f"{fmt} quantization is not implemented yet")
+    if fmt == "INT8":
+        return _quantize_int8(weight)
+    return _quantize_int4(weight, int4_group_size(weight.shape[-1]) if group_size is None else group_size)
 
 
 def dequantize(method: str, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
@@ -62,7 +89,44 @@ def dequantize(method: str, values: torch.Tensor, scales: torch.Tensor | None) -
         if scales is None:
             raise ValueError("MXFP4 needs scales")
         return _dequantize_mxfp4(values, scales)
-    raise NotImplementedError(f"{fmt} dequantization is not implemented yet")
+    if scales is None:
+        raise ValueError(f"{fmt} needs scales")
+    if fmt == "INT8":
+        return values.float() * scales.float()[..., None]
+    return _dequantize_int4(values, scales)
+
+
+def _quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float()
+    scale = w.abs().amax(dim=-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def _quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    k = weight.shape[-1]
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"INT4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"INT4 needs the input dimension ({k}) to be a multiple of group_size {group_size}")
+    groups = weight.float().reshape(*weight.shape[:-1], k // group_size, group_size)
+    scale = groups.abs().amax(dim=-1) / 7
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(groups / safe[..., None]).clamp(-7, 7).to(torch.int8).reshape(weight.shape)
+    nibbles = (q & 0x0F).to(torch.uint8)
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).contiguous(), scale.contiguous()
+
+
+def _dequantize_int4(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    values = values.view(torch.uint8)
+    nibbles = torch.stack([values & 0x0F, values >> 4], dim=-1).reshape(*values.shape[:-1], values.shape[-1] * 2)
+    q = nibbles.to(torch.int16) - 16 * (nibbles >= 8).to(torch.int16)  # two's complement
+    k = q.shape[-1]
+    if k % scales.shape[-1]:
+        raise ValueError(f"INT4 scales {list(scales.shape)} do not divide the input dimension {k}")
+    group = k // scales.shape[-1]
+    return (q.float().reshape(*scales.shape, group) * scales.float()[..., None]).reshape(q.shape)
 
 
 def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
