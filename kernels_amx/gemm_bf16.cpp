@@ -9,8 +9,8 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
-constexpr int kTokenBlock = 2 * amx::kTileRows;  // two A tiles
-constexpr int kGroupBlock = 2;                    // two B tiles: C tiles 0-3 cover 32 tokens x 32 outputs
+constexpr int kTokenBlock = amx::kBlockRows;  // two A tiles
+constexpr int kGroupBlock = amx::kBlockGroups;  // two B tiles: C tiles 0-3 cover 32 tokens x 32 outputs
 constexpr int kInputsPerTile = 2 * amx::kTileRows;
 
 // y[0:32][0:32] for 32 contiguous activation rows (row stride x_bytes) and groups g, g+1.
@@ -45,41 +45,25 @@ long amx::emulated_tile_products() { return amx::EmulatedTiles::products; }
 #endif
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  const int tile_rows = x.rows / kTokenBlock * kTokenBlock, tile_groups = w.groups / kGroupBlock * kGroupBlock;
-  if (w.k % kInputsPerTile != 0 || tile_rows == 0 || tile_groups == 0) return gemm_bf16_avx512(x, w, y, y_stride);
-
-  // Tiles load rows with one stride: gather routed rows into a contiguous block first.
-  thread_local AlignedBuffer<bf16_t> gathered;
-  const bf16_t* rows = x.base;
-  size_t row_elems = x.stride;
-  if (x.row_ids != nullptr) {
-    gathered.reserve(size_t(tile_rows) * w.k);
-    for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered.data() + size_t(i) * w.k, x.row(i), w.k * sizeof(bf16_t));
-    rows = gathered.data();
-    row_elems = w.k;
-  }
-  static const amx::TileConfig config;
-  amx::configure_tiles(config);
-  for (int g = 0; g < tile_groups; g += kGroupBlock)
-    for (int i = 0; i < tile_rows; i += kTokenBlock)
-      tile_block(reinterpret_cast<const uint8_t*>(rows + size_t(i) * row_elems), row_elems * sizeof(bf16_t),
-                 w.values + g * w.group_bytes, w.values + (g + 1) * w.group_bytes, w.k,
-                 y + size_t(i) * y_stride + g * kGroupRows, y_stride);
-  amx::release_tiles();
-
-  // The edges: a last odd group for the tiled rows, and the rows below a whole tile block.
-  if (tile_groups < w.groups) {
-    PackedGroups last = w;
-    last.values += tile_groups * w.group_bytes;
-    last.groups = w.groups - tile_groups;
-    gemm_bf16_avx512(Activations{x.base, x.stride, x.row_ids, tile_rows}, last, y + tile_groups * kGroupRows,
-                     y_stride);
-  }
-  if (tile_rows < x.rows) {
-    const Activations rest{x.base, x.stride, x.row_ids ? x.row_ids + tile_rows : nullptr, x.rows - tile_rows};
-    const Activations shifted = x.row_ids ? rest : Activations{x.row(tile_rows), x.stride, nullptr, x.rows - tile_rows};
-    gemm_bf16_avx512(shifted, w, y + size_t(tile_rows) * y_stride, y_stride);
-  }
+  auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { gemm_bf16_avx512(xs, ws, ys, y_stride); };
+  if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
+  amx::tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
+    // Tiles load rows with one stride: gather routed rows into a contiguous block first.
+    thread_local AlignedBuffer<bf16_t> gathered;
+    const bf16_t* rows = x.base;
+    size_t row_elems = x.stride;
+    if (x.row_ids != nullptr) {
+      gathered.reserve(size_t(tile_rows) * w.k);
+      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered.data() + size_t(i) * w.k, x.row(i), w.k * sizeof(bf16_t));
+      rows = gathered.data();
+      row_elems = w.k;
+    }
+    for (int g = 0; g < tile_groups; g += kGroupBlock)
+      for (int i = 0; i < tile_rows; i += kTokenBlock)
+        tile_block(reinterpret_cast<const uint8_t*>(rows + size_t(i) * row_elems), row_elems * sizeof(bf16_t),
+                   w.values + g * w.group_bytes, w.values + (g + 1) * w.group_bytes, w.k,
+                   y + size_t(i) * y_stride + g * kGroupRows, y_stride);
+  }, avx512);
 }
 
 KT_NAMESPACE_END

@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "common.h"
+#include "kernels.h"
 
 KT_NAMESPACE_BEGIN
 namespace amx {
@@ -30,6 +30,7 @@ inline void release_tiles() { _tile_release(); }
 #define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define KT_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define KT_TILE_DOT_BF16(c, a, b) _tile_dpbf16ps(c, a, b)  // C[m][n] += sum_p A[m][pair p] . B[p][n]
+#define KT_TILE_DOT_S8U8(c, a, b) _tile_dpbsud(c, a, b)    // C[m][n] += sum_p s8 A[m][quad p] . u8 B[p][n]
 #else
 // Software tiles: eight 16 x 64-byte registers per thread; TDPBF16PS as the ISA reference defines it
 // (fp32 products of bf16 pairs, accumulated in order into the fp32 element).
@@ -55,6 +56,17 @@ struct EmulatedTiles {
         std::memcpy(&reg[c][m][4 * n], &sum, sizeof(sum));
       }
   }
+  static void dot_s8u8(int c, int a, int b) {  // TDPBSUD: int32 sums of s8 (A) x u8 (B) quads
+    ++products;
+    for (int m = 0; m < kTileRows; ++m)
+      for (int n = 0; n < kTileRows; ++n) {
+        int32_t sum;
+        std::memcpy(&sum, &reg[c][m][4 * n], sizeof(sum));
+        for (int p = 0; p < kTileRows; ++p)
+          for (int h = 0; h < 4; ++h) sum += int8_t(reg[a][m][4 * p + h]) * int32_t(reg[b][p][4 * n + h]);
+        std::memcpy(&reg[c][m][4 * n], &sum, sizeof(sum));
+      }
+  }
 
  private:
   static float bf16_at(const uint8_t* row, int index) {
@@ -72,10 +84,51 @@ inline void release_tiles() {}
 #define KT_TILE_LOAD(t, base, stride) amx::EmulatedTiles::load(t, base, stride)
 #define KT_TILE_STORE(t, base, stride) amx::EmulatedTiles::store(t, base, stride)
 #define KT_TILE_DOT_BF16(c, a, b) amx::EmulatedTiles::dot_bf16(c, a, b)
+#define KT_TILE_DOT_S8U8(c, a, b) amx::EmulatedTiles::dot_s8u8(c, a, b)
 
 // Tile products run so far on the calling thread.
 long emulated_tile_products();
 #endif
+
+// The tile kernels cover blocks of kBlockRows activation rows x kBlockGroups groups; `tiles(rows,
+// groups)` runs them on the largest such block of x and w, `fallback(x, w, y)` (the AVX512 kernel)
+// on what is left: the last odd group of the tiled rows, and the rows below a whole block.
+constexpr int kBlockRows = 2 * kTileRows, kBlockGroups = 2;
+
+template <class Tiles, class Fallback>
+void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, Tiles tiles,
+                     Fallback fallback) {
+  const int tile_rows = x.rows / kBlockRows * kBlockRows, tile_groups = w.groups / kBlockGroups * kBlockGroups;
+  if (tile_rows == 0 || tile_groups == 0) return fallback(x, w, y);
+  static const TileConfig config;
+  configure_tiles(config);
+  tiles(tile_rows, tile_groups);
+  release_tiles();
+  if (tile_groups < w.groups) {
+    PackedGroups last = w;
+    last.values += tile_groups * w.group_bytes;
+    last.scales += tile_groups * w.group_scale_bytes;
+    last.groups = w.groups - tile_groups;
+    Activations tiled = x;
+    tiled.rows = tile_rows;
+    fallback(tiled, last, y + tile_groups * kGroupRows);
+  }
+  if (tile_rows < x.rows) {
+    Activations rest = x;
+    rest.rows = x.rows - tile_rows;
+    if (x.row_ids != nullptr) {
+      rest.row_ids += tile_rows;
+    } else {
+      rest.base += size_t(tile_rows) * x.stride;
+      if (x.quantized.values != nullptr)
+        rest.quantized = {x.quantized.values + size_t(tile_rows) * x.quantized.stride,
+                          x.quantized.scales + tile_rows,
+                          x.quantized.block_sums + size_t(tile_rows) * x.quantized.stride / kActivationBlock,
+                          x.quantized.stride};
+    }
+    fallback(rest, w, y + size_t(tile_rows) * y_stride);
+  }
+}
 
 }  // namespace amx
 KT_NAMESPACE_END

@@ -48,7 +48,7 @@ struct FmaTile {
 
 void init_kernels() {}
 
-KernelInfo kernel_info() { return {"avx2", "avx2 (bf16->fp32, fma)"}; }
+KernelInfo kernel_info() { return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (vpmaddwd / vpmaddubsw)"}; }
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_tiled<FmaTile, kRows, kGroups>(x, w, y, y_stride);

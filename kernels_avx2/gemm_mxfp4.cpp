@@ -164,7 +164,7 @@ void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_
   if (x.rows >= kDecodedMinRows)
     gemm_decoded(rows, x.rows, w, y, y_stride);
   else
-    gemm_tiled<FmaTile, kRows, 1, float>([&](int i) { return rows + size_t(i) * w.k; }, x.rows, w, y, y_stride);
+    gemm_tiled<FmaTile, kRows, 1, const float*>([&](int i) { return rows + size_t(i) * w.k; }, x.rows, w, y, y_stride);
 }
 
 KT_NAMESPACE_END

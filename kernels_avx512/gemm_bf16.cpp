@@ -15,7 +15,13 @@ using avx512::odd_bf16;
 // Register blocking: rows x 16-column groups held in zmm accumulators (of 32 registers).
 constexpr int kFmaRows = 4, kFmaGroups = 4;  // 16 accumulators + 8 decoded weight vectors
 
-bool vdpbf16ps_enabled = false;  // constant-initialised: no code runs at load time
+// Constant-initialised (no code runs at load time); set once by init_kernels().
+bool vdpbf16ps_enabled = false, vpdpbusd_enabled = false;
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
 
 template <int M, int NV>
 struct FmaTile {
@@ -48,17 +54,20 @@ struct FmaTile {
 
 }  // namespace
 
-// KT_KERNEL_DISABLE_AVX512_BF16=1 forces the plain path (the tests cover both on one machine).
+// KT_KERNEL_DISABLE_AVX512_BF16=1 / KT_KERNEL_DISABLE_AVX512_VNNI=1 force the plain paths (the
+// tests cover both on one machine).
 void init_kernels() {
-  const char* disable = std::getenv("KT_KERNEL_DISABLE_AVX512_BF16");
-  const bool disabled = disable != nullptr && disable[0] != '\0' && std::strcmp(disable, "0") != 0;
-  vdpbf16ps_enabled = detect_cpu_features().avx512_bf16 && !disabled;
+  const CpuFeatures cpu = detect_cpu_features();
+  vdpbf16ps_enabled = cpu.avx512_bf16 && !env_flag("KT_KERNEL_DISABLE_AVX512_BF16");
+  vpdpbusd_enabled = cpu.avx512_vnni && !env_flag("KT_KERNEL_DISABLE_AVX512_VNNI");
 }
 
 bool use_vdpbf16ps() { return vdpbf16ps_enabled; }
+bool use_vpdpbusd() { return vpdpbusd_enabled; }
 
 KernelInfo kernel_info() {
-  return {"avx512", vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)"};
+  return {"avx512", vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)",
+          vpdpbusd_enabled ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)"};
 }
 
 void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

@@ -13,6 +13,8 @@ KT_NAMESPACE_BEGIN
 
 // True when the CPU has AVX512_BF16 and KT_KERNEL_DISABLE_AVX512_BF16 does not forbid it.
 bool use_vdpbf16ps();
+// True when the CPU has AVX512_VNNI and KT_KERNEL_DISABLE_AVX512_VNNI does not forbid it.
+bool use_vpdpbusd();
 
 // The AVX512 BF16 GEMM; gemm_bf16 of the avx512 build (bf16_entry.cpp), and of the amx build below
 // its tile threshold (kernels_amx/).
@@ -24,7 +26,34 @@ void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, 
 void gemm_mxfp4_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbf16_peak_probe(int64_t iterations);  // flops done
 
+// The AVX512 INT8 GEMM (gemm_int8 of the avx512 build; of the amx build below its tile threshold).
+void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+
+// All AVX512_VNNI code, in vpdpbusd.cpp (the one file compiled with -mavx512vnni); called only after
+// CPUID reported AVX512_VNNI.
+void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+double dpbusd_peak_probe(int64_t iterations);  // integer ops done
+
 namespace avx512 {
+
+// The vector traits of the integer tiles (src/core/int_tiles.h): one zmm = one 16-row group.
+struct Vec {
+  using Int = __m512i;
+  using Float = __m512;
+  static constexpr int kLanes = 16;
+  static Int load(const uint8_t* p) { return _mm512_load_si512(p); }
+  static Float load_ps(const float* p) { return _mm512_load_ps(p); }
+  static Int set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static Float set1_ps(float v) { return _mm512_set1_ps(v); }
+  static Int and_(Int a, Int b) { return _mm512_and_si512(a, b); }
+  static Int srli_epi32(Int a, int n) { return _mm512_srli_epi32(a, n); }
+  static Int sub_epi32(Int a, Int b) { return _mm512_sub_epi32(a, b); }
+  static Float to_float(Int a) { return _mm512_cvtepi32_ps(a); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static void storeu_ps(float* p, Float a) { _mm512_storeu_ps(p, a); }
+};
 
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
 inline __m512 even_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }

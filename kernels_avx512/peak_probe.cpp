@@ -28,6 +28,8 @@ double peak_probe(PeakOp op, int64_t iterations) {
       return fma_probe(iterations);
     case PeakOp::kDpBf16:
       return detect_cpu_features().avx512_bf16 ? dpbf16_peak_probe(iterations) : 0.0;
+    case PeakOp::kDpInt8:
+      return detect_cpu_features().avx512_vnni ? dpbusd_peak_probe(iterations) : 0.0;
   }
   return 0.0;
 }

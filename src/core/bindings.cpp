@@ -27,6 +27,7 @@ using Bf16In2 = CpuArray<const int16_t, nb::ndim<2>>;
 using Bf16Out2 = CpuArray<int16_t, nb::ndim<2>>;
 using Float32Out2 = CpuArray<float, nb::ndim<2>>;
 using Bytes3 = CpuArray<const uint8_t, nb::ndim<3>>;
+using Floats3 = CpuArray<const float, nb::ndim<3>>;
 
 namespace {
 
@@ -39,7 +40,23 @@ const bf16_t* bf16_data(const int16_t* p) { return reinterpret_cast<const bf16_t
 kt::WeightFormat parse_format(const std::string& method) {
   if (method == "BF16") return kt::WeightFormat::kBf16;
   if (method == "MXFP4") return kt::WeightFormat::kMxfp4;
-  throw std::invalid_argument("the engine runs BF16 and MXFP4 weights, not " + method);
+  if (method == "INT8") return kt::WeightFormat::kInt8;
+  if (method == "INT4") return kt::WeightFormat::kInt4;
+  throw std::invalid_argument("the engine runs BF16, MXFP4, INT8 and INT4 weights, not " + method);
+}
+
+// An integer-format projection: values [.., n, k] (INT8) or [.., n, k/2] (INT4) bytes and float
+// scales [.., n, scales_per_row]; returns its INT4 group size (k / scales_per_row), 0 for INT8.
+int integer_scale_group(kt::WeightFormat format, size_t values_per_row, size_t scales_per_row) {
+  if (format == kt::WeightFormat::kInt8) {
+    require(scales_per_row == 1, "INT8 takes one scale per output row");
+    return 0;
+  }
+  const size_t k = values_per_row * 2;
+  require(scales_per_row >= 1 && k % scales_per_row == 0, "INT4 scales must divide the input dimension");
+  const size_t group = k / scales_per_row;
+  require(group == 32 || group == 64 || group == 128, "INT4 group size must be 32, 64 or 128");
+  return int(group);
 }
 
 }  // namespace
@@ -58,8 +75,10 @@ NB_MODULE(KT_MODULE_NAME, m) {
     d["kernels"] = info.isa;
 #ifdef KT_AMX_TILES
     d["bf16_path"] = std::string("amx_bf16 tiles (blocks of 32 rows, k % 32 == 0), else ") + info.bf16_path;
+    d["int8_path"] = std::string("INT8: amx_int8 tiles (blocks of 32 rows, k % 64 == 0), else ") + info.int8_path;
 #else
     d["bf16_path"] = info.bf16_path;
+    d["int8_path"] = info.int8_path;
 #endif
 #ifdef KT_AMX_EMULATED
     d["emulated_tile_products"] = kt::amx::emulated_tile_products();
@@ -82,29 +101,47 @@ NB_MODULE(KT_MODULE_NAME, m) {
         "Median DRAM read bandwidth (GB/s) of a streaming read on `threads` threads.");
   m.def("measure_peak_gflops",
         [](int threads, const std::string& op) {
-          if (op != "fma_f32" && op != "dpbf16") throw std::invalid_argument("op must be fma_f32 or dpbf16");
-          return kt::measure_peak_gflops(threads, op == "fma_f32" ? kt::PeakOp::kFmaF32 : kt::PeakOp::kDpBf16);
+          if (op == "fma_f32") return kt::measure_peak_gflops(threads, kt::PeakOp::kFmaF32);
+          if (op == "dpbf16") return kt::measure_peak_gflops(threads, kt::PeakOp::kDpBf16);
+          if (op == "dpint8") return kt::measure_peak_gflops(threads, kt::PeakOp::kDpInt8);
+          throw std::invalid_argument("op must be fma_f32, dpbf16 or dpint8");
         },
         nb::arg("threads"), nb::arg("op"), nb::call_guard<nb::gil_scoped_release>(),
-        "Peak GFLOP/s of fp32 FMA ('fma_f32') or vdpbf16ps ('dpbf16'); 0 where this build/CPU lacks it.");
+        "Peak GFLOP/s (GOP/s) of fp32 FMA ('fma_f32'), vdpbf16ps ('dpbf16') or vpdpbusd ('dpint8'); 0 where "
+        "this build/CPU lacks it.");
 
   m.def("linear",
         [](const std::string& method, Bf16In2 x, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>> weight,
-           std::optional<CpuArray<const uint8_t, nb::ndim<2>>> scale, Float32Out2 y, int repeats) {
+           std::optional<nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>>> scale, Float32Out2 y,
+           int repeats) {
           const kt::WeightFormat format = parse_format(method);
           const int m = int(x.shape(0)), k = int(x.shape(1)), n = int(y.shape(1));
           require(y.shape(0) == x.shape(0) && weight.shape(0) == y.shape(1), "x, weight and y disagree in shape");
-          if (format == kt::WeightFormat::kMxfp4) {
-            require(k % 32 == 0 && weight.shape(1) * 2 == size_t(k) && scale && scale->shape(0) == size_t(n) &&
-                        scale->shape(1) * 32 == size_t(k),
-                    "MXFP4 weight must be [n, k/2] codes with scale [n, k/32], k % 32 == 0");
-          } else {
-            require(weight.shape(1) == size_t(k) && weight.itemsize() == 2, "BF16 weight must be [n, k] bf16");
+          int scale_group = 0;
+          switch (format) {
+            case kt::WeightFormat::kBf16:
+              require(weight.shape(1) == size_t(k) && weight.itemsize() == 2, "BF16 weight must be [n, k] bf16");
+              break;
+            case kt::WeightFormat::kMxfp4:
+              require(k % 32 == 0 && weight.shape(1) * 2 == size_t(k) && scale && scale->shape(0) == size_t(n) &&
+                          scale->shape(1) * 32 == size_t(k) && scale->itemsize() == 1,
+                      "MXFP4 weight must be [n, k/2] codes with scale [n, k/32] bytes, k % 32 == 0");
+              break;
+            case kt::WeightFormat::kInt8:
+            case kt::WeightFormat::kInt4: {
+              const bool int4 = format == kt::WeightFormat::kInt4;
+              require(weight.itemsize() == 1 && weight.shape(1) * (int4 ? 2 : 1) == size_t(k) && scale &&
+                          scale->dtype() == nb::dtype<float>() && scale->shape(0) == size_t(n),
+                      "INT8 weight must be [n, k] int8 with float scale [n, 1]; INT4 [n, k/2] bytes with float "
+                      "scale [n, k/G]");
+              scale_group = integer_scale_group(format, weight.shape(1), scale->shape(1));
+              break;
+            }
           }
           require(repeats >= 1, "repeats must be >= 1");
           nb::gil_scoped_release release;
-          return kt::linear(format, bf16_data(x.data()), m, k, {weight.data(), scale ? scale->data() : nullptr}, n,
-                            y.data(), repeats);
+          return kt::linear(format, bf16_data(x.data()), m, k,
+                            {weight.data(), scale ? scale->data() : nullptr, scale_group}, n, y.data(), repeats);
         },
         nb::arg("method"), nb::arg("x"), nb::arg("weight"), nb::arg("scale").none(), nb::arg("y"),
         nb::arg("repeats") = 1,
@@ -144,6 +181,25 @@ NB_MODULE(KT_MODULE_NAME, m) {
            },
            nb::call_guard<nb::gil_scoped_release>(),
            "Copy and pack MXFP4 codes [E, N, K/2] and E8M0 scales [E, N, K/32] (checked in Python).")
+      .def("load_integer",
+           [](kt::MoEEngine& engine, Bytes3 gate, Floats3 gate_scale, Bytes3 up, Floats3 up_scale, Bytes3 down,
+              Floats3 down_scale, CpuArray<const int64_t, nb::ndim<1>> source_of_slot, const std::string& method) {
+             const kt::WeightFormat format = parse_format(method);
+             require(kt::is_integer_format(format), "load_integer takes INT8 or INT4 weights");
+             require(gate.shape(0) == up.shape(0) && gate.shape(0) == down.shape(0) &&
+                         gate_scale.shape(0) == gate.shape(0) && up_scale.shape(0) == gate.shape(0) &&
+                         down_scale.shape(0) == gate.shape(0),
+                     "the six integer tensors must hold the same number of experts");
+             auto projection = [&](const Bytes3& values, const Floats3& scales) {
+               return kt::SourceProjection{values.data(), scales.data(),
+                                           integer_scale_group(format, values.shape(2), scales.shape(2))};
+             };
+             engine.load(projection(gate, gate_scale), projection(up, up_scale), projection(down, down_scale),
+                         int(gate.shape(0)), source_of_slot.data());
+           },
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Copy and pack INT8 [E, N, K] / INT4 [E, N, K/2] weights with float scales [E, N, 1] / [E, N, K/G] "
+           "(checked in Python).")
       .def("submit",
            [](kt::MoEEngine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>> ids,
               CpuArray<const float, nb::ndim<2>> weights, Bf16Out2 out) {

@@ -50,12 +50,24 @@ void require(bool condition, const std::string& message) {
 
 }  // namespace
 
-void PackedProjection::allocate(WeightFormat format, int experts, int rows_, int k_) {
+void PackedProjection::allocate(WeightFormat format, int experts, int rows_, int k_, int scale_group_) {
   rows = rows_;
   k = k_;
-  const bool mxfp4 = format == WeightFormat::kMxfp4;
-  group_bytes = mxfp4 ? mxfp4_group_bytes(k) : bf16_group_bytes(k);
-  group_scale_bytes = mxfp4 ? mxfp4_group_scale_bytes(k) : 0;
+  scale_group = scale_group_;
+  switch (format) {
+    case WeightFormat::kBf16:
+      group_bytes = bf16_group_bytes(k), group_scale_bytes = 0;
+      break;
+    case WeightFormat::kMxfp4:
+      group_bytes = mxfp4_group_bytes(k), group_scale_bytes = mxfp4_group_scale_bytes(k);
+      break;
+    case WeightFormat::kInt8:
+      group_bytes = int8_group_bytes(k), group_scale_bytes = int8_group_scale_bytes(k);
+      break;
+    case WeightFormat::kInt4:
+      group_bytes = int4_group_bytes(k), group_scale_bytes = int4_group_scale_bytes(k, scale_group);
+      break;
+  }
   values.reserve(size_t(experts) * packed_groups(rows) * group_bytes);
   scales.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
 }
@@ -63,33 +75,85 @@ void PackedProjection::allocate(WeightFormat format, int experts, int rows_, int
 PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   const size_t index = size_t(expert) * packed_groups(rows) + first;
   return {values.data() + index * group_bytes, scales.data() + index * group_scale_bytes, group_bytes,
-          group_scale_bytes, k, count};
+          group_scale_bytes, k, count, scale_group};
 }
+
+void QuantizedBuffer::reserve(int rows, int k) {
+  stride = round_up(k, 64);
+  values.reserve(size_t(rows) * stride);
+  scales.reserve(rows);
+  block_sums.reserve(size_t(rows) * stride / kActivationBlock);
+}
+
+void QuantizedBuffer::quantize(int row, const bf16_t* x, int k) {
+  quantize_activation_row(x, k, int(stride), values.data() + size_t(row) * stride, scales.data() + row,
+                          block_sums.data() + size_t(row) * stride / kActivationBlock);
+}
+
+QuantizedRows QuantizedBuffer::view(int first_row) const {
+  return {values.data() + size_t(first_row) * stride, scales.data() + first_row,
+          block_sums.data() + size_t(first_row) * stride / kActivationBlock, stride};
+}
+
+namespace {
+
+// Packs one matrix (rows x k) of the canonical source into `dst` at `dst_values` / `dst_scales`.
+void pack_matrix(WeightFormat format, SourceProjection src, size_t matrix, int rows, int k, uint8_t* dst_values,
+                 uint8_t* dst_scales) {
+  const size_t weights = size_t(rows) * k;
+  const uint8_t* values = static_cast<const uint8_t*>(src.values);
+  switch (format) {
+    case WeightFormat::kBf16:
+      return pack_bf16(static_cast<const bf16_t*>(src.values) + matrix * weights, rows, k, dst_values);
+    case WeightFormat::kMxfp4:
+      return pack_mxfp4(values + matrix * weights / 2,
+                        static_cast<const uint8_t*>(src.scales) + matrix * weights / kMxfp4Block, rows, k,
+                        dst_values, dst_scales);
+    case WeightFormat::kInt8:
+      return pack_int8(reinterpret_cast<const int8_t*>(values) + matrix * weights,
+                       static_cast<const float*>(src.scales) + matrix * rows, rows, k, dst_values, dst_scales);
+    case WeightFormat::kInt4:
+      return pack_int4(values + matrix * weights / 2,
+                       static_cast<const float*>(src.scales) + matrix * weights / src.scale_group, rows, k,
+                       src.scale_group, dst_values, dst_scales);
+  }
+}
+
+void run_gemm(WeightFormat format, const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  switch (format) {
+    case WeightFormat::kBf16:
+      return gemm_bf16(x, w, y, y_stride);
+    case WeightFormat::kMxfp4:
+      return gemm_mxfp4(x, w, y, y_stride);
+    case WeightFormat::kInt8:
+      return gemm_int8(x, w, y, y_stride);
+    case WeightFormat::kInt4:
+      return gemm_int4(x, w, y, y_stride);
+  }
+}
+
+}  // namespace
 
 double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
               int repeats) {
   PackedProjection packed;
-  packed.allocate(format, 1, n, k);
-  if (format == WeightFormat::kMxfp4)
-    pack_mxfp4(static_cast<const uint8_t*>(w.values), w.scales, n, k, packed.expert_values(0), packed.expert_scales(0));
-  else
-    pack_bf16(static_cast<const bf16_t*>(w.values), n, k, packed.expert_values(0));
+  packed.allocate(format, 1, n, k, w.scale_group);
+  pack_matrix(format, w, 0, n, k, packed.expert_values(0), packed.expert_scales(0));
   const int stride = round_up(k, 32), y_stride = packed_groups(n) * kGroupRows;
   AlignedBuffer<bf16_t> rows(size_t(m) * stride);
   AlignedBuffer<float> out(size_t(m) * y_stride);
+  QuantizedBuffer quantized;
+  if (is_integer_format(format)) quantized.reserve(m, k);
   for (int i = 0; i < m; ++i) {
     std::memcpy(rows.data() + size_t(i) * stride, x + size_t(i) * k, k * sizeof(bf16_t));
     std::memset(rows.data() + size_t(i) * stride + k, 0, (stride - k) * sizeof(bf16_t));
+    if (is_integer_format(format)) quantized.quantize(i, x + size_t(i) * k, k);
   }
-  const Activations activations{rows.data(), size_t(stride), nullptr, m};
+  Activations activations{rows.data(), size_t(stride), nullptr, m};
+  if (is_integer_format(format)) activations.quantized = quantized.view();
   const PackedGroups all = packed.groups(0, 0, packed_groups(n));
   const auto start = std::chrono::steady_clock::now();
-  for (int r = 0; r < repeats; ++r) {
-    if (format == WeightFormat::kMxfp4)
-      gemm_mxfp4(activations, all, out.data(), y_stride);
-    else
-      gemm_bf16(activations, all, out.data(), y_stride);
-  }
+  for (int r = 0; r < repeats; ++r) run_gemm(format, activations, all, out.data(), y_stride);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (int i = 0; i < m; ++i) std::memcpy(y + size_t(i) * n, out.data() + size_t(i) * y_stride, n * sizeof(float));
   return seconds / repeats;
@@ -105,9 +169,12 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
   require(shape.top_k >= 1 && shape.top_k <= shape.num_experts,
           "num_experts_per_tok must be in [1, num_experts]");
   require(shape.hidden >= 1 && shape.intermediate >= 1, "hidden_size and moe_intermediate_size must be >= 1");
-  if (format == WeightFormat::kMxfp4)
-    require(shape.hidden % kMxfp4Block == 0 && shape.intermediate % kMxfp4Block == 0,
-            "MXFP4 needs hidden_size and moe_intermediate_size to be multiples of 32");
+  if (format == WeightFormat::kMxfp4 || format == WeightFormat::kInt4)
+    require(shape.hidden % 32 == 0 && shape.intermediate % 32 == 0,
+            "MXFP4 and INT4 need hidden_size and moe_intermediate_size to be multiples of 32");
+  if (format == WeightFormat::kInt8)
+    require(shape.hidden <= kInt8MaxK && shape.intermediate <= kInt8MaxK,
+            "INT8 needs hidden_size and moe_intermediate_size <= 65536");
   skip_.assign(shape.num_experts, 0);
   for (int e : skip_experts) {
     require(e >= 0 && e < shape.num_experts, "gpu_experts_mask names an expert outside [0, num_experts)");
@@ -128,9 +195,9 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
     require(source_of_slot[slot] >= 0 && source_of_slot[slot] < num_sources,
             "physical_to_logical_map_cpu[" + std::to_string(slot) + "] = " +
                 std::to_string(source_of_slot[slot]) + " is outside [0, " + std::to_string(num_sources) + ")");
-  gate_.allocate(format_, E, I, H);
-  up_.allocate(format_, E, I, H);
-  down_.allocate(format_, E, H, I);
+  gate_.allocate(format_, E, I, H, gate.scale_group);
+  up_.allocate(format_, E, I, H, up.scale_group);
+  down_.allocate(format_, E, H, I, down.scale_group);
   // Packed by the pool's threads, so each expert's pages are first touched by a worker.
   pool_.run([&](int worker) {
     for (int slot = worker; slot < E; slot += pool_.size()) {
@@ -145,26 +212,11 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
 }
 
 void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {
-  const size_t weights = size_t(dst.rows) * dst.k;
-  switch (format_) {
-    case WeightFormat::kBf16:
-      pack_bf16(static_cast<const bf16_t*>(src.values) + source * weights, dst.rows, dst.k, dst.expert_values(slot));
-      break;
-    case WeightFormat::kMxfp4:
-      pack_mxfp4(static_cast<const uint8_t*>(src.values) + source * weights / 2,
-                 src.scales + source * weights / kMxfp4Block, dst.rows, dst.k, dst.expert_values(slot),
-                 dst.expert_scales(slot));
-      break;
-  }
+  pack_matrix(format_, src, source, dst.rows, dst.k, dst.expert_values(slot), dst.expert_scales(slot));
 }
 
 void MoEEngine::gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const {
-  switch (format_) {
-    case WeightFormat::kBf16:
-      return gemm_bf16(x, w, y, y_stride);
-    case WeightFormat::kMxfp4:
-      return gemm_mxfp4(x, w, y, y_stride);
-  }
+  run_gemm(format_, x, w, y, y_stride);
 }
 
 void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
@@ -211,6 +263,10 @@ void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, con
   // Buffers only grow, so steady-state calls allocate nothing.
   hidden_.reserve(size_t(tokens) * hidden_stride_);
   activation_.reserve(size_t(total_rows) * inter_stride_);
+  if (is_integer_format(format_)) {
+    hidden_q_.reserve(tokens, shape_.hidden);
+    activation_q_.reserve(total_rows, shape_.intermediate);
+  }
   for (ThreadScratch& s : scratch_) {
     s.gate.reserve(size_t(max_rows) * kBlockCols);
     s.up.reserve(size_t(max_rows) * kBlockCols);
@@ -245,23 +301,33 @@ void MoEEngine::release_scratch() {
   if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
   hidden_.release();
   activation_.release();
+  hidden_q_ = QuantizedBuffer{};
+  activation_q_ = QuantizedBuffer{};
   for (ThreadScratch& s : scratch_) s = ThreadScratch{};
 }
 
 // One worker's part of the call: copy tokens in, gate/up tasks, down tasks, phases separated by
-// barrier() (a no-op when one thread does everything).
+// barrier() (a no-op when one thread does everything). The integer formats quantize each token and
+// each intermediate row once, whole (one scale per row), before the projections read it.
 template <typename Barrier>
 void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
   const int H = shape_.hidden;
+  const bool integer = is_integer_format(format_);
   for (int t = worker; t < tokens_; t += workers) {
     bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
     std::memcpy(row, hidden_in_ + size_t(t) * H, H * sizeof(bf16_t));
     std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
+    if (integer) hidden_q_.quantize(t, row, H);
   }
   barrier();
   for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
     gate_up_task(task, scratch_[worker]);
   barrier();
+  if (integer) {
+    for (int row = worker; row < route_offset_.back(); row += workers)
+      activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate);
+    barrier();
+  }
   for (int block; (block = next_down_task_.fetch_add(1, std::memory_order_relaxed)) < down_tasks_;)
     down_task(block, scratch_[worker]);
 }
@@ -274,7 +340,8 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   const int block_groups = std::min(kBlockGroups, groups - g0);
   const int expert = active_experts_[active];
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
-  const Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
+  Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
+  if (is_integer_format(format_)) x.quantized = hidden_q_.view();
 
   gemm(x, gate_.groups(expert, g0, block_groups), s.gate.data(), kBlockCols);
   gemm(x, up_.groups(expert, g0, block_groups), s.up.data(), kBlockCols);
@@ -294,7 +361,8 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
   for (size_t active = 0; active < active_experts_.size(); ++active) {
     const int expert = active_experts_[active];
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
-    const Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows};
+    Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows};
+    if (is_integer_format(format_)) x.quantized = activation_q_.view(first);
     gemm(x, down_.groups(expert, g0, block_groups), s.down.data(), kBlockCols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];

@@ -18,15 +18,20 @@ struct MoEShape {
   int intermediate;
 };
 
-enum class WeightFormat { kBf16, kMxfp4 };
+enum class WeightFormat { kBf16, kMxfp4, kInt8, kInt4 };
+
+inline bool is_integer_format(WeightFormat format) {
+  return format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
+}
 
 // One projection (gate, up or down) of every expert, packed for the kernels.
 struct PackedProjection {
-  int rows = 0, k = 0;
+  int rows = 0, k = 0, scale_group = 0;
   size_t group_bytes = 0, group_scale_bytes = 0;
   AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
 
-  void allocate(WeightFormat format, int experts, int rows, int k);
+  // scale_group: INT4's inputs per scale (ignored by the other formats).
+  void allocate(WeightFormat format, int experts, int rows, int k, int scale_group);
   uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
   uint8_t* expert_scales(int expert) {
     return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
@@ -35,12 +40,28 @@ struct PackedProjection {
   PackedGroups groups(int expert, int first, int count) const;
 };
 
-// The canonical (unpacked) weights of one projection for all source experts; for MXFP4 `values`
-// are E2M1 codes [E, rows, k/2] and `scales` E8M0 bytes [E, rows, k/32]; for BF16 `values` are
-// bf16 [E, rows, k] and `scales` is null.
+// The canonical (unpacked) weights of one projection for all source experts:
+//   BF16: values bf16 [E, rows, k], no scales;
+//   MXFP4: values E2M1 codes [E, rows, k/2], scales E8M0 bytes [E, rows, k/32];
+//   INT8: values int8 [E, rows, k], scales float [E, rows];
+//   INT4: values uint8 [E, rows, k/2], scales float [E, rows, k/scale_group].
 struct SourceProjection {
   const void* values;
-  const uint8_t* scales;
+  const void* scales;
+  int scale_group = 0;
+};
+
+// Activation rows quantized per row for the integer formats (storage behind QuantizedRows).
+struct QuantizedBuffer {
+  AlignedBuffer<int8_t> values;
+  AlignedBuffer<float> scales;
+  AlignedBuffer<int32_t> block_sums;
+  size_t stride = 0;
+
+  void reserve(int rows, int k);
+  void quantize(int row, const bf16_t* x, int k);
+  // The rows from `first_row` on.
+  QuantizedRows view(int first_row = 0) const;
 };
 
 // y[m][n] = x[m][k] . W[n][k] on the calling thread, W given like SourceProjection (one matrix):
@@ -102,6 +123,7 @@ class MoEEngine {
   std::vector<int> expert_rows_;         // per expert id: routed rows (counting pass)
   AlignedBuffer<bf16_t> hidden_;         // [tokens, hidden_stride_]
   AlignedBuffer<bf16_t> activation_;     // [routed rows, inter_stride_]: silu(gate) * up
+  QuantizedBuffer hidden_q_, activation_q_;  // the same rows quantized (integer formats)
   std::vector<ThreadScratch> scratch_;
   std::atomic<int> next_gate_up_task_{0}, next_down_task_{0};
   int gate_up_tasks_ = 0, down_tasks_ = 0;

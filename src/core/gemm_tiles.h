@@ -14,22 +14,22 @@
 
 KT_NAMESPACE_BEGIN
 
-// x_rows: M activation rows (bf16, or fp32 where a kernel widens them first); w: NV groups starting
-// at w.values; y: M rows x NV * 16 outputs.
-template <typename T>
-using TileFn = void (*)(const T* const* x_rows, const PackedGroups& w, float* y, size_t y_stride);
+// x_rows: M activation row handles (const bf16_t*, const float* where a kernel widens rows first,
+// QuantizedRow for the integer formats); w: NV groups starting at w.values; y: M rows x NV * 16.
+template <typename Row>
+using TileFn = void (*)(const Row* x_rows, const PackedGroups& w, float* y, size_t y_stride);
 
-template <template <int, int> class Tile, int MaxM, int NV, typename T>
+template <template <int, int> class Tile, int MaxM, int NV, typename Row>
 struct TileTable {
   template <size_t... I>
-  static constexpr std::array<TileFn<T>, sizeof...(I)> make(std::index_sequence<I...>) {
+  static constexpr std::array<TileFn<Row>, sizeof...(I)> make(std::index_sequence<I...>) {
     return {{&Tile<int(I / NV) + 1, int(I % NV) + 1>::run...}};
   }
-  static constexpr std::array<TileFn<T>, MaxM * NV> table = make(std::make_index_sequence<MaxM * NV>{});
+  static constexpr std::array<TileFn<Row>, MaxM * NV> table = make(std::make_index_sequence<MaxM * NV>{});
 };
 
-// row_of(i) -> const T*: activation row i of m.
-template <template <int, int> class Tile, int MaxM, int NV, typename T, typename RowOf>
+// row_of(i) -> Row: activation row i of m.
+template <template <int, int> class Tile, int MaxM, int NV, typename Row, typename RowOf>
 void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_stride) {
   for (int g0 = 0; g0 < w.groups; g0 += NV) {
     const int nv = std::min(NV, w.groups - g0);
@@ -39,18 +39,31 @@ void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_s
     block.groups = nv;
     for (int i0 = 0; i0 < m; i0 += MaxM) {
       const int mm = std::min(MaxM, m - i0);
-      const T* rows[MaxM];
+      Row rows[MaxM];
       for (int i = 0; i < mm; ++i) rows[i] = row_of(i0 + i);
-      TileTable<Tile, MaxM, NV, T>::table[(mm - 1) * NV + (nv - 1)](rows, block,
-                                                                    y + size_t(i0) * y_stride + g0 * kGroupRows,
-                                                                    y_stride);
+      TileTable<Tile, MaxM, NV, Row>::table[(mm - 1) * NV + (nv - 1)](rows, block,
+                                                                      y + size_t(i0) * y_stride + g0 * kGroupRows,
+                                                                      y_stride);
     }
   }
 }
 
 template <template <int, int> class Tile, int MaxM, int NV>
 void gemm_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled<Tile, MaxM, NV, bf16_t>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+  gemm_tiled<Tile, MaxM, NV, const bf16_t*>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+}
+
+// The integer formats' tiles take QuantizedRow handles.
+template <template <int, int> class Tile, int MaxM, int NV>
+void gemm_tiled_quantized(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled<Tile, MaxM, NV, QuantizedRow>([&](int i) { return x.quantized_row(i); }, x.rows, w, y, y_stride);
+}
+
+// The sum of a quantized row's values over inputs [first, first + count), both multiples of 32.
+inline int32_t quantized_sum(const QuantizedRow& row, int first, int count) {
+  int32_t sum = 0;
+  for (int b = first / kActivationBlock; b < (first + count) / kActivationBlock; ++b) sum += row.block_sums[b];
+  return sum;
 }
 
 // MXFP4 tiles prefetch the weights this far ahead: at decode they do enough work per byte that the
@@ -71,6 +84,16 @@ inline int32_t load_bf16_pair(const bf16_t* p) {
   std::memcpy(&pair, p, sizeof(pair));
   return pair;
 }
+
+// Four int8 activations x[4j..4j+3] as one 32-bit lane.
+inline int32_t load_int8_quad(const int8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, sizeof(quad));
+  return quad;
+}
+
+// Masks the low nibbles of an INT4 line (see kernels.h).
+constexpr int32_t kLowNibbles = 0x0F0F0F0F;
 
 // E2M1 codes 0..15 as bf16 (0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated: bit 3 = sign), whole
 // and split into low and high bytes for byte-shuffle lookups.

@@ -14,14 +14,44 @@ constexpr int kGroupRows = 16;
 
 inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 
+// Activation rows quantized for the integer formats, one scale per row:
+//   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
+// block_sums[b] = sum of values[32b .. 32b + 31] (the kernels subtract their weight offset times it).
+constexpr int kActivationBlock = 32;
+struct QuantizedRows {
+  const int8_t* values = nullptr;  // [row][stride]
+  const float* scales = nullptr;   // [row]
+  const int32_t* block_sums = nullptr;  // [row][stride / kActivationBlock]
+  size_t stride = 0;
+};
+
+// One quantized activation row, as the integer tiles take it.
+struct QuantizedRow {
+  const int8_t* values;
+  const int32_t* block_sums;
+  float scale;
+};
+
+// x (bf16, k values) -> one quantized row: values[0, stride), scale, block_sums[0, stride / 32).
+void quantize_activation_row(const bf16_t* x, int k, int stride, int8_t* values, float* scale,
+                             int32_t* block_sums);
+
 // The activation rows a GEMM reads: row i is base + (row_ids ? row_ids[i] : i) * stride, bf16,
-// readable (zero padded) up to round_up(k, 2) elements.
+// readable (zero padded) up to round_up(k, 2) elements; for the integer formats also `quantized`,
+// indexed the same way.
 struct Activations {
   const bf16_t* base;
   size_t stride;
   const int32_t* row_ids;
   int rows;
-  const bf16_t* row(int i) const { return base + size_t(row_ids ? row_ids[i] : i) * stride; }
+  QuantizedRows quantized = {};
+  size_t index(int i) const { return size_t(row_ids ? row_ids[i] : i); }
+  const bf16_t* row(int i) const { return base + index(i) * stride; }
+  QuantizedRow quantized_row(int i) const {
+    const size_t r = index(i);
+    return {quantized.values + r * quantized.stride,
+            quantized.block_sums + r * (quantized.stride / kActivationBlock), quantized.scales[r]};
+  }
 };
 
 // A run of packed groups of one matrix.
@@ -32,6 +62,7 @@ struct PackedGroups {
   size_t group_scale_bytes;  // stride between groups in `scales`
   int k;                     // inputs per row
   int groups;
+  int scale_group = 0;       // INT4: inputs per scale (32, 64 or 128)
 };
 
 // ---- BF16 -----------------------------------------------------------------------------------
@@ -57,13 +88,37 @@ inline size_t mxfp4_group_scale_bytes(int k) { return size_t(k / kMxfp4Block) * 
 void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, uint8_t* packed,
                 uint8_t* packed_scales);
 
+// ---- INT8 and INT4: integer dot products with int8 activations (QuantizedRows) --------------
+// Weights are stored UNSIGNED, INT8 as q + 128 and INT4 as q + 8, so that one u8 x s8 dot product
+// serves every ISA (vpdpbusd, AMX tdpbsud, vpmaddwd / vpmaddubsw); the kernels subtract the offset
+// times the activations' block sums. Sums stay exact in int32 (INT8 needs k <= kInt8MaxK).
+// INT8: per group, per input quad j (inputs 4j..4j+3), one 64-byte line: row r at bytes 4r..4r+3
+// (zero weights pad k to a multiple of 4; zero activations make the padding harmless). Scales: per
+// group 16 floats, y = x_scale * row_scale * (dot - 128 * sum(x)).
+// INT4: per group, per input octet c (inputs 8c..8c+7), one 64-byte line: row r's 32-bit word holds
+// inputs 8c..8c+3 in the low nibbles of its bytes and 8c+4..8c+7 in the high nibbles, so one mask
+// (and a shift) yields two INT8-layout quads. Scales: per group, per G inputs, 16 floats.
+constexpr int kInt8Offset = 128, kInt4Offset = 8;
+constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
+inline size_t int8_group_bytes(int k) { return size_t(round_up(k, 4)) * kGroupRows; }
+inline size_t int8_group_scale_bytes(int) { return kGroupRows * sizeof(float); }
+inline size_t int4_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
+inline size_t int4_group_scale_bytes(int k, int group) { return size_t(k / group) * kGroupRows * sizeof(float); }
+// Canonical input: INT8 q [rows][k] int8, scales [rows]; INT4 q [rows][k/2] (low nibble = even k,
+// two's complement), scales [rows][k/group], k % group == 0.
+void pack_int8(const int8_t* q, const float* scales, int rows, int k, uint8_t* packed, uint8_t* packed_scales);
+void pack_int4(const uint8_t* q, const float* scales, int rows, int k, int group, uint8_t* packed,
+               uint8_t* packed_scales);
+
 // ---- GEMM: y[i][j] = sum_k x_i[k] * W[j][k], i < x.rows, j < kGroupRows * w.groups ----------
 // fp32 accumulation; y is overwritten, row stride y_stride floats.
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
+void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
 
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
-enum class PeakOp { kFmaF32, kDpBf16 };
+enum class PeakOp { kFmaF32, kDpBf16, kDpInt8 };  // fp32 FMA, vdpbf16ps, vpdpbusd
 // Runs `iterations` rounds of independent multiply-adds of kind `op` on the calling thread and
 // returns the flops done (0 when this build or CPU cannot execute `op`).
 double peak_probe(PeakOp op, int64_t iterations);
@@ -75,6 +130,7 @@ void init_kernels();
 struct KernelInfo {
   const char* isa;        // the kernels directory linked in
   const char* bf16_path;  // how bf16 products are computed (BF16 and MXFP4 kernels)
+  const char* int8_path;  // how u8 x s8 products are computed (INT8 and INT4 kernels)
 };
 KernelInfo kernel_info();
 

@@ -1,6 +1,9 @@
 // Packing into the layouts described in kernels.h (shared by every build).
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "bf16.h"
 #include "kernels.h"
 
 KT_NAMESPACE_BEGIN
@@ -41,6 +44,60 @@ void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, ui
       }
       for (int b = 0; b < blocks; ++b) group_scales[b * kGroupRows + r] = scales[row * blocks + b];
     }
+  }
+}
+
+void pack_int8(const int8_t* q, const float* scales, int rows, int k, uint8_t* packed, uint8_t* packed_scales) {
+  const size_t group_bytes = int8_group_bytes(k);
+  for (int g = 0; g < packed_groups(rows); ++g) {
+    uint8_t* group = packed + g * group_bytes;
+    float* group_scales = reinterpret_cast<float*>(packed_scales + g * int8_group_scale_bytes(k));
+    std::memset(group, kInt8Offset, group_bytes);  // padding = weight 0
+    for (int r = 0; r < kGroupRows; ++r) {
+      const size_t row = size_t(g) * kGroupRows + r;
+      group_scales[r] = row < size_t(rows) ? scales[row] : 0.0f;
+      if (row >= size_t(rows)) continue;
+      for (int c = 0; c < k; ++c) group[(c / 4) * 64 + 4 * r + c % 4] = uint8_t(q[row * k + c] + kInt8Offset);
+    }
+  }
+}
+
+void pack_int4(const uint8_t* q, const float* scales, int rows, int k, int group, uint8_t* packed,
+               uint8_t* packed_scales) {
+  const size_t group_bytes = int4_group_bytes(k);
+  const int scale_groups = k / group;
+  for (int g = 0; g < packed_groups(rows); ++g) {
+    uint8_t* lines = packed + g * group_bytes;
+    float* group_scales = reinterpret_cast<float*>(packed_scales + g * int4_group_scale_bytes(k, group));
+    std::memset(lines, kInt4Offset | kInt4Offset << 4, group_bytes);  // padding = weight 0
+    for (int r = 0; r < kGroupRows; ++r) {
+      const size_t row = size_t(g) * kGroupRows + r;
+      for (int s = 0; s < scale_groups; ++s)
+        group_scales[s * kGroupRows + r] = row < size_t(rows) ? scales[row * scale_groups + s] : 0.0f;
+      if (row >= size_t(rows)) continue;
+      for (int c = 0; c < k; ++c) {
+        const int nibble = (q[row * (k / 2) + c / 2] >> (4 * (c % 2))) & 0xF;
+        const int offset_value = (nibble ^ 8);  // two's complement -8..7 -> 0..15 = q + 8
+        uint8_t& byte = lines[(c / 8) * 64 + 4 * r + c % 4];
+        const int shift = 4 * ((c % 8) / 4);  // inputs 8c+4..8c+7 in the high nibbles
+        byte = uint8_t((byte & ~(0xF << shift)) | offset_value << shift);
+      }
+    }
+  }
+}
+
+void quantize_activation_row(const bf16_t* x, int k, int stride, int8_t* values, float* scale,
+                             int32_t* block_sums) {
+  float amax = 0.0f;
+  for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(bf16_to_float(x[c])));
+  *scale = amax / 127.0f;
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int c = 0; c < k; ++c) values[c] = int8_t(std::nearbyint(bf16_to_float(x[c]) * inverse));
+  std::memset(values + k, 0, stride - k);
+  for (int b = 0; b < stride / kActivationBlock; ++b) {
+    int32_t sum = 0;
+    for (int c = 0; c < kActivationBlock; ++c) sum += values[b * kActivationBlock + c];
+    block_sums[b] = sum;
   }
 }
 

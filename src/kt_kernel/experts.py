@@ -12,8 +12,10 @@ from . import checkpoint, quant
 from ._native import ext
 
 #: Formats the engine runs today.
-IMPLEMENTED_FORMATS = ("BF16", "MXFP4")
+IMPLEMENTED_FORMATS = ("BF16", "MXFP4", "INT8", "INT4")
 _FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: INT8 sums stay exact in int32 up to this many inputs.
+INT8_MAX_K = 65536
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -117,11 +119,13 @@ class KTMoEWrapper:
                 f"method {method!r} ({weight_format} weights) is not implemented yet; "
                 f"available: {', '.join(IMPLEMENTED_FORMATS)}"
             )
-        if weight_format == "MXFP4" and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
+        if weight_format in ("MXFP4", "INT4") and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
             raise ValueError(
-                "MXFP4 needs hidden_size and moe_intermediate_size to be multiples of 32, got "
+                f"{weight_format} needs hidden_size and moe_intermediate_size to be multiples of 32, got "
                 f"{self.hidden_size} and {self.moe_intermediate_size}"
             )
+        if weight_format == "INT8" and max(self.hidden_size, self.moe_intermediate_size) > INT8_MAX_K:
+            raise ValueError(f"INT8 needs hidden_size and moe_intermediate_size <= {INT8_MAX_K}")
         return weight_format
 
     def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
@@ -150,10 +154,11 @@ class KTMoEWrapper:
         """Copy expert weights into engine-owned memory in the method's format.
 
         Without scales: float weights (bf16, fp16 or fp32), gate_proj/up_proj [E, I, H] and
-        down_proj [E, H, I], quantized on load (kt_kernel.quant.quantize). With scales (MXFP4): the
-        canonical layout, taken bit-exactly: E2M1 codes [E, N, K/2] (uint8, or int8 viewed as
-        uint8) and E8M0 scales [E, N, K/32] (uint8 or float8_e8m0fnu), N x K = I x H for gate/up and
-        H x I for down. physical_to_logical_map_cpu[p] is the expert (first dim of the tensors)
+        down_proj [E, H, I], quantized on load (kt_kernel.quant.quantize). With scales: the
+        method's canonical layout, taken bit-exactly (N x K = I x H for gate/up, H x I for down):
+        MXFP4 E2M1 codes [E, N, K/2] (uint8, or int8 viewed as uint8) and E8M0 scales [E, N, K/32]
+        (uint8 or float8_e8m0fnu); INT8 int8 [E, N, K] and float32/bf16 scales [E, N]; INT4 uint8
+        (or int8) [E, N, K/2] and float32/bf16 scales [E, N, K/G], G in {32, 64, 128}. physical_to_logical_map_cpu[p] is the expert (first dim of the tensors)
         whose weights physical slot p holds; topk_ids name physical slots. Default: identity.
         Nothing refers to the given tensors after this returns.
         """
@@ -161,7 +166,7 @@ class KTMoEWrapper:
         weights = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
         scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
         given = [name for name, scale in scales.items() if scale is not None]
-        if given and self.method != "MXFP4":
+        if given and self.method == "BF16":
             raise ValueError(f"{self.method} weights take no scales, got {', '.join(given)}")
         if given and len(given) != 3:
             raise ValueError("pass all of gate_scale, up_scale and down_scale, or none of them")
@@ -171,8 +176,10 @@ class KTMoEWrapper:
                 raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
         sources = gate_proj.shape[0]
         slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
-        if given:
+        if given and self.method == "MXFP4":
             self._engine.load_mxfp4(*self._canonical_mxfp4(weights, scales, sources), slot_map)
+        elif given:
+            self._engine.load_integer(*self._canonical_integer(weights, scales, sources), slot_map, self.method)
         else:
             for name, tensor in weights.items():
                 if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
@@ -183,8 +190,11 @@ class KTMoEWrapper:
                     *(w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()), slot_map
                 )
             else:
-                quantized = [_quantize_per_expert(self.method, w) for w in weights.values()]
-                self._engine.load_mxfp4(*(t for pair in quantized for t in pair), slot_map)
+                quantized = [t for w in weights.values() for t in _quantize_per_expert(self.method, w)]
+                if self.method == "MXFP4":
+                    self._engine.load_mxfp4(*quantized, slot_map)
+                else:
+                    self._engine.load_integer(*self._engine_integer_layout(quantized), slot_map, self.method)
         self._loaded = True
 
     def _projection_shape(self, name: str, sources: int, k_divisor: int) -> tuple[tuple[int, ...], str]:
@@ -217,6 +227,50 @@ class KTMoEWrapper:
             checked += [codes.contiguous().view(torch.uint8), scale]
         return checked
 
+    def _canonical_integer(
+        self, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor | None], sources: int
+    ) -> list[torch.Tensor]:
+        """Checked INT8 / INT4 values and scales in the engine's layout, gate, gate_scale, up, ... order."""
+        int4 = self.method == "INT4"
+        checked = []
+        for (name, values), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True):
+            allowed = (torch.uint8, torch.int8) if int4 else (torch.int8,)
+            if values.dtype not in allowed:
+                kind = "two 4-bit values per byte as uint8 or int8" if int4 else "int8"
+                raise TypeError(f"{name} must hold {self.method} weights as {kind}, got {values.dtype}")
+            _require_shape(name, values, *self._projection_shape(name, sources, 2 if int4 else 1))
+            scale = _require_cpu_tensor(scale_name, scale)
+            if scale.dtype not in (torch.float32, torch.bfloat16):
+                raise TypeError(f"{scale_name} must be float32 or bfloat16, got {scale.dtype}")
+            k = values.shape[2] * (2 if int4 else 1)
+            if int4:
+                if scale.dim() != 3 or scale.shape[2] == 0 or k % scale.shape[2]:
+                    raise ValueError(
+                        f"{scale_name} must have shape [E, N, K/G] with G in {quant.INT4_GROUP_SIZES}, "
+                        f"got {list(scale.shape)} for K = {k}"
+                    )
+                group = k // scale.shape[2]
+                if group not in quant.INT4_GROUP_SIZES:
+                    raise ValueError(
+                        f"{scale_name} implies group size {group}; INT4 takes {quant.INT4_GROUP_SIZES}"
+                    )
+                _require_shape(scale_name, scale, *self._projection_shape(name, sources, group))
+            else:
+                _require_shape(scale_name, scale, tuple(values.shape[:2]), "[E, N]")
+            if not torch.isfinite(scale).all():
+                raise ValueError(f"{scale_name} holds a non-finite scale")
+            checked += [values, scale]
+        return self._engine_integer_layout(checked)
+
+    @staticmethod
+    def _engine_integer_layout(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """(values, scales) pairs as the engine takes them: uint8 bytes and float32 [E, N, S] scales."""
+        out = []
+        for values, scale in zip(tensors[0::2], tensors[1::2], strict=True):
+            scale = scale.to(torch.float32)
+            out += [values.contiguous().view(torch.uint8), scale.reshape(*values.shape[:2], -1).contiguous()]
+        return out
+
     def _check_slot_map(self, slot_map: torch.Tensor | None, sources: int) -> torch.Tensor:
         if slot_map is None:
             if sources != self.num_experts:
@@ -237,20 +291,24 @@ class KTMoEWrapper:
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
         """Load layer ``layer_idx`` from the checkpoint directory ``weight_path``.
 
-        MXFP4: the DeepSeek-V4-Flash layout (see kt_kernel.checkpoint), experts 0..E-1 of the
-        layer, or as many as physical_to_logical_map_cpu refers to.
+        A directory written by ``kt-kernel convert`` (it holds kt_manifest.json) in the method's
+        format; otherwise, for MXFP4, the DeepSeek-V4-Flash layout (see kt_kernel.checkpoint).
+        Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to.
         """
         if self.weight_path is None:
             raise ValueError("load_weights needs weight_path (a checkpoint directory)")
-        if self.method != "MXFP4":
-            raise NotImplementedError(
-                f"loading {self.method} weights from weight_path is not supported yet; "
-                "use load_weights_from_tensors"
-            )
         sources = self.num_experts
         if physical_to_logical_map_cpu is not None:
             sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
-        tensors = checkpoint.read_v4_flash_experts(self.weight_path, self.layer_idx, sources)
+        if checkpoint.read_manifest(self.weight_path) is not None:
+            tensors = checkpoint.read_converted_layer(self.weight_path, self.layer_idx, sources, self.method)
+        elif self.method == "MXFP4":
+            tensors = checkpoint.read_v4_flash_experts(self.weight_path, self.layer_idx, sources)
+        else:
+            raise NotImplementedError(
+                f"{self.weight_path} holds no {checkpoint.MANIFEST_NAME}; convert it first with "
+                f"`kt-kernel convert {self.weight_path} OUTPUT_DIR --format {self.method.lower()}`"
+            )
         self.load_weights_from_tensors(
             tensors.pop("gate"),
             tensors.pop("up"),

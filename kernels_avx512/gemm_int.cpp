@@ -1,0 +1,57 @@
+// AVX512 INT8 / INT4 GEMMs: vpdpbusd where the CPU has AVX512_VNNI (vpdpbusd.cpp), else the plain
+// AVX512BW emulations here. The tiles themselves are src/core/int_tiles.h.
+#include "int_tiles.h"
+#include "paths.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+constexpr int kRows = 4, kGroups = 2;
+
+// Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'
+// matching bytes sign-extended: the exact vpdpbusd sum without saturation.
+struct MaddwdDot {
+  struct Weights {
+    __m512i even, odd;
+  };
+  using Act = Weights;
+  static Weights weights(__m512i line) {
+    return {_mm512_and_si512(line, _mm512_set1_epi16(0x00FF)), _mm512_srli_epi16(line, 8)};
+  }
+  static Act activation(int32_t quad) {
+    const __m512i q = _mm512_set1_epi32(quad);
+    return {_mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), _mm512_srai_epi16(q, 8)};
+  }
+  static __m512i dot(__m512i acc, const Weights& w, const Act& a) {
+    return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(w.even, a.even), _mm512_madd_epi16(w.odd, a.odd)));
+  }
+};
+
+// Weights 0..15 (INT4): vpmaddubsw cannot saturate (2 * 15 * 127 < 2^15), vpmaddwd by 1 widens.
+struct MaddubsDot {
+  using Weights = __m512i;
+  using Act = __m512i;
+  static Weights weights(__m512i line) { return line; }
+  static Act activation(int32_t quad) { return _mm512_set1_epi32(quad); }
+  static __m512i dot(__m512i acc, Weights w, Act a) {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+  }
+};
+
+}  // namespace
+
+void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (use_vpdpbusd())
+    gemm_int8_vpdpbusd(x, w, y, y_stride);
+  else
+    gemm_tiled_quantized<IntTiles<avx512::Vec, MaddwdDot>::Int8, kRows, kGroups>(x, w, y, y_stride);
+}
+
+void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (use_vpdpbusd())
+    gemm_int4_vpdpbusd(x, w, y, y_stride);
+  else
+    gemm_tiled_quantized<IntTiles<avx512::Vec, MaddubsDot>::Int4, kRows, kGroups>(x, w, y, y_stride);
+}
+
+KT_NAMESPACE_END

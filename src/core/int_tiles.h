@@ -1,0 +1,103 @@
+// INT8 and INT4 register tiles, written once for every ISA: `V` is the vector width (AVX512: one
+// zmm per 16-row group; AVX2: two ymm) and `Dot` the u8 x s8 dot product of that ISA (vpdpbusd,
+// or its emulation by vpmaddwd / vpmaddubsw). Layouts and the weight offsets: kernels.h.
+//
+// V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
+// sub_epi32, to_float, fmadd, mul, storeu_ps.
+// Dot provides: Weights weights(V::Int line), Act activation(int32_t quad),
+// V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per 32-bit lane sum of 4 u8 x s8.
+#pragma once
+
+#include "gemm_tiles.h"
+
+KT_NAMESPACE_BEGIN
+
+template <class V, class Dot>
+struct IntTiles {
+  using Int = typename V::Int;
+  using Float = typename V::Float;
+  static constexpr int kVecsPerGroup = kGroupRows / V::kLanes;
+  static constexpr int kLineBytes = 64;
+
+  // Vector v of a tile: group v / kVecsPerGroup, rows (v % kVecsPerGroup) * kLanes onwards.
+  static const uint8_t* line(const PackedGroups& w, int v, int index) {
+    return w.values + (v / kVecsPerGroup) * w.group_bytes + size_t(index) * kLineBytes +
+           (v % kVecsPerGroup) * V::kLanes * 4;
+  }
+  static Float scales(const PackedGroups& w, int v, int scale_index) {
+    return V::load_ps(reinterpret_cast<const float*>(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes) +
+                      scale_index * kGroupRows + (v % kVecsPerGroup) * V::kLanes);
+  }
+
+  // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)).
+  template <int M, int NV>
+  struct Int8 {
+    static constexpr int kVecs = NV * kVecsPerGroup;
+    static void run(const QuantizedRow* x, const PackedGroups& w, float* y, size_t y_stride) {
+      Int acc[M][kVecs];
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1(0);
+      for (int j = 0; j < round_up(w.k, 4) / 4; ++j) {
+        typename Dot::Weights wv[kVecs];
+        for (int v = 0; v < kVecs; ++v) {
+          prefetch_weights(line(w, v, j));
+          wv[v] = Dot::weights(V::load(line(w, v, j)));
+        }
+        for (int i = 0; i < M; ++i) {
+          const typename Dot::Act a = Dot::activation(load_int8_quad(x[i].values + 4 * j));
+          for (int v = 0; v < kVecs; ++v) acc[i][v] = Dot::dot(acc[i][v], wv[v], a);
+        }
+      }
+      for (int i = 0; i < M; ++i) {
+        const Int offset = V::set1(kInt8Offset * quantized_sum(x[i], 0, round_up(w.k, kActivationBlock)));
+        const Float x_scale = V::set1_ps(x[i].scale);
+        for (int v = 0; v < kVecs; ++v)
+          V::storeu_ps(y + i * y_stride + v * V::kLanes,
+                       V::mul(V::to_float(V::sub_epi32(acc[i][v], offset)), V::mul(scales(w, v, 0), x_scale)));
+      }
+    }
+  };
+
+  // Per scale group s: y += row_scale[s] * (sum over the group of (q + 8) * x - 8 * sum(x)); then
+  // y *= x_scale.
+  template <int M, int NV>
+  struct Int4 {
+    static constexpr int kVecs = NV * kVecsPerGroup;
+    static void run(const QuantizedRow* x, const PackedGroups& w, float* y, size_t y_stride) {
+      const Int low_nibbles = V::set1(kLowNibbles);
+      const int lines_per_scale = w.scale_group / 8;
+      Float acc[M][kVecs];
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1_ps(0.0f);
+      for (int s = 0; s < w.k / w.scale_group; ++s) {
+        Int part[M][kVecs];  // this scale group's integer sums
+        for (int i = 0; i < M; ++i)
+          for (int v = 0; v < kVecs; ++v) part[i][v] = V::set1(0);
+        for (int c = s * lines_per_scale; c < (s + 1) * lines_per_scale; ++c) {
+          typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8c..8c+3 and 8c+4..8c+7
+          for (int v = 0; v < kVecs; ++v) {
+            prefetch_weights(line(w, v, c));
+            const Int raw = V::load(line(w, v, c));
+            low[v] = Dot::weights(V::and_(raw, low_nibbles));
+            high[v] = Dot::weights(V::and_(V::srli_epi32(raw, 4), low_nibbles));
+          }
+          for (int i = 0; i < M; ++i) {
+            const typename Dot::Act a_low = Dot::activation(load_int8_quad(x[i].values + 8 * c));
+            const typename Dot::Act a_high = Dot::activation(load_int8_quad(x[i].values + 8 * c + 4));
+            for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot(Dot::dot(part[i][v], low[v], a_low), high[v], a_high);
+          }
+        }
+        for (int i = 0; i < M; ++i) {
+          const Int offset = V::set1(kInt4Offset * quantized_sum(x[i], s * w.scale_group, w.scale_group));
+          for (int v = 0; v < kVecs; ++v)
+            acc[i][v] = V::fmadd(V::to_float(V::sub_epi32(part[i][v], offset)), scales(w, v, s), acc[i][v]);
+        }
+      }
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < kVecs; ++v)
+          V::storeu_ps(y + i * y_stride + v * V::kLanes, V::mul(acc[i][v], V::set1_ps(x[i].scale)));
+    }
+  };
+};
+
+KT_NAMESPACE_END
