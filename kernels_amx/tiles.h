@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "kernels.h"
@@ -36,7 +37,7 @@ inline void release_tiles() { _tile_release(); }
 // (fp32 products of bf16 pairs, accumulated in order into the fp32 element).
 struct EmulatedTiles {
   alignas(64) static inline thread_local uint8_t reg[8][kTileRows][kTileBytes];
-  static inline thread_local long products = 0;  // tile products run (the tests check the path ran)
+  static inline std::atomic<long> products{0};  // tile products run, all threads (the tests check the path ran)
 
   static void zero(int t) { std::memset(reg[t], 0, sizeof(reg[t])); }
   static void load(int t, const void* base, size_t stride) {
@@ -86,7 +87,7 @@ inline void release_tiles() {}
 #define KT_TILE_DOT_BF16(c, a, b) amx::EmulatedTiles::dot_bf16(c, a, b)
 #define KT_TILE_DOT_S8U8(c, a, b) amx::EmulatedTiles::dot_s8u8(c, a, b)
 
-// Tile products run so far on the calling thread.
+// Tile products run so far, on all threads.
 long emulated_tile_products();
 #endif
 

@@ -57,3 +57,45 @@ def test_moe_forward_on_emulated_tiles(emulated):
     engine.submit(p.hidden.view(torch.int16), p.ids, p.weights, out.view(torch.int16))
     engine.sync()
     assert_close_to_reference(out, reference_forward(p))
+
+
+# INT8 tiles take blocks of 32 tokens x 32 outputs when the inputs are a multiple of 64.
+@pytest.mark.parametrize(
+    "tokens,n,k,tiled",
+    [(32, 32, 64, True), (33, 40, 128, True), (300, 48, 256, True), (31, 64, 64, False), (64, 64, 96, False)],
+)  # fmt: skip
+def test_int8_linear_on_emulated_tiles(emulated, tokens, n, k, tiled):
+    g = torch.Generator().manual_seed(tokens + n + k)
+    values = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = torch.rand(n, 1, generator=g) * 0.1
+    x = torch.randint(-127, 128, (tokens, k), generator=g).float()
+    x[:, 0] = 127.0  # max |x| = 127: the int8 activations are x itself, so the result is exact
+    y = torch.empty(tokens, n)
+    before = tile_products(emulated)
+    emulated.linear("INT8", x.to(torch.bfloat16).view(torch.int16), values.view(torch.uint8), scales, y)
+    assert (tile_products(emulated) > before) == tiled
+    weight = values.double() * scales.double()
+    ref = x.double() @ weight.T
+    assert torch.all((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30)
+
+
+def test_int8_moe_forward_on_emulated_tiles(emulated):
+    from kt_kernel import quant
+
+    p = make_problem(experts=6, top_k=2, hidden=128, inter=64, tokens=80, seed=3)
+    p.ids[:, 0] = 1  # expert 1 takes all 80 tokens: two full tile blocks and a tail
+    p.ids[:, 1] = torch.where(p.ids[:, 1] == 1, torch.full_like(p.ids[:, 1], 4), p.ids[:, 1])
+    engine = emulated.MoEEngine(6, 2, 128, 64, "INT8", 2, [])
+    tensors = []
+    for name in ("gate", "up", "down"):
+        values, scales = quant.quantize("INT8", getattr(p, name))
+        tensors += [values.view(torch.uint8), scales[..., None].contiguous()]
+        setattr(p, name, quant.dequantize("INT8", values, scales))
+    engine.load_integer(*tensors, torch.arange(6), "INT8")
+    out = torch.empty(80, 128, dtype=torch.bfloat16)
+    before = tile_products(emulated)
+    engine.submit(p.hidden.view(torch.int16), p.ids, p.weights, out.view(torch.int16))
+    engine.sync()
+    assert tile_products(emulated) > before  # gate/up on gathered rows, down on contiguous ones
+    ref = reference_forward(p)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 0.03  # int8 activations

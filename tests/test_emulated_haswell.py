@@ -1,6 +1,6 @@
 """On a CPU without AVX512 (qemu-user emulating Haswell) whose /proc/cpuinfo still shows the host's
 AVX512 flags, `import kt_kernel` must end on the avx2 build (CPUID refusal + fallback, no SIGILL)
-and BF16 and MXFP4 forwards must run and match the reference."""
+and BF16, MXFP4, INT8 and INT4 forwards must run and match the reference."""
 
 from __future__ import annotations
 
@@ -34,6 +34,16 @@ moe.load_weights_from_tensors(p.gate, p.up, p.down)  # quantized on load
 for name in ("gate", "up", "down"):  # the reference uses the exact quantized weights
     setattr(p, name, decode_mxfp4(*kt_kernel.quant.quantize("MXFP4", getattr(p, name))).float())
 assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
+for method in ("INT8", "INT4"):
+    p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=9)
+    moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method=method)
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
+    for name in ("gate", "up", "down"):
+        q = kt_kernel.quant.quantize(method, getattr(p, name))
+        setattr(p, name, kt_kernel.quant.dequantize(method, *q))
+    ref = reference_forward(p)
+    out = moe.forward(p.hidden, p.ids, p.weights).double()
+    assert ((out - ref).norm() / ref.norm()).item() < 0.03, method  # int8 activations
 print("VARIANT", kt_kernel.__cpu_variant__, kt_kernel.cpu_info()["kernels"]["bf16_path"])
 """
 

@@ -1,5 +1,5 @@
 """The kernel suites under every build this CPU can execute, each forced with KT_KERNEL_CPU_VARIANT
-in its own process; the AVX512 build both with and without its AVX512_BF16 path."""
+in its own process; the AVX512 build both with and without its AVX512_BF16 and AVX512_VNNI paths."""
 
 from __future__ import annotations
 
@@ -11,11 +11,15 @@ import pytest
 
 from conftest import HOST_FLAGS, REPO, skip_unless_cpu_runs
 
-SUITES = ["tests/test_forward_bf16.py", "tests/test_mxfp4_kernels.py"]
+SUITES = ["tests/test_forward_bf16.py", "tests/test_mxfp4_kernels.py", "tests/test_int_kernels.py"]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
-    "avx512-bf16": {"KT_KERNEL_CPU_VARIANT": "avx512"},
-    "avx512-plain": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_DISABLE_AVX512_BF16": "1"},
+    "avx512-bf16-vnni": {"KT_KERNEL_CPU_VARIANT": "avx512"},
+    "avx512-plain": {
+        "KT_KERNEL_CPU_VARIANT": "avx512",
+        "KT_KERNEL_DISABLE_AVX512_BF16": "1",
+        "KT_KERNEL_DISABLE_AVX512_VNNI": "1",
+    },
     "avx2": {"KT_KERNEL_CPU_VARIANT": "avx2"},
 }
 
@@ -24,8 +28,8 @@ RUNS = {
 def test_kernel_suites_under_build(run):
     env = RUNS[run]
     skip_unless_cpu_runs(env["KT_KERNEL_CPU_VARIANT"])
-    if run == "avx512-bf16" and "avx512_bf16" not in HOST_FLAGS:
-        pytest.skip("this CPU has no AVX512_BF16: only the plain AVX512 path can run")
+    if run == "avx512-bf16-vnni" and not {"avx512_bf16", "avx512_vnni"} <= HOST_FLAGS:
+        pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VNNI: only the plain AVX512 paths can run")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env
     command = [
         sys.executable,
