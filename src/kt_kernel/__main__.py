@@ -1,4 +1,4 @@
-"""Command line: `python -m kt_kernel info | bench` (also installed as `kt-kernel`)."""
+"""Command line: `python -m kt_kernel info | bench | convert` (also installed as `kt-kernel`)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,21 @@ def main(argv: list[str] | None = None) -> int:
     from kt_kernel.bench import add_arguments
 
     add_arguments(bench)
+    convert = commands.add_parser(
+        "convert", help="convert a checkpoint's routed experts to int4, int8, mxfp4 or bf16 (see README)"
+    )
+    from kt_kernel.convert import add_arguments as add_convert_arguments
+
+    add_convert_arguments(convert)
     args = parser.parse_args(argv)
     if args.command == "bench":
         from kt_kernel.bench import main as bench_main
 
         return bench_main(args)
+    if args.command == "convert":
+        from kt_kernel.convert import main as convert_main
+
+        return convert_main(args)
 
     import kt_kernel
     from kt_kernel.info import format_cpu_info

@@ -5,6 +5,10 @@ DeepSeek-V4-Flash layout (MXFP4 experts), optionally under a ``model.`` prefix:
 weight I8 ``[N, K/2]`` (two E2M1 codes per byte), scale F8_E8M0 or U8 ``[N, K/32]``.
 Files are found through ``*.index.json`` when there is one, else by reading every
 ``*.safetensors`` header. Only the requested layer is read, tensor by tensor.
+
+Converted layout (written by ``kt-kernel convert``, see kt_kernel.convert): a directory with
+``kt_manifest.json`` and one ``layer_{L:03d}.safetensors`` per layer holding
+``blk.{L}.ffn_{gate,up,down}_exps.{weight,scale}`` in the format's canonical layout.
 """
 
 from __future__ import annotations
@@ -16,7 +20,21 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import quant
+
 V4_FLASH_PROJECTIONS = {"gate": "w1", "up": "w3", "down": "w2"}
+MANIFEST_NAME = "kt_manifest.json"
+PROJECTIONS = ("gate", "up", "down")
+
+
+def converted_file_name(layer: int) -> str:
+    """The file of one layer in a converted checkpoint."""
+    return f"layer_{layer:03d}.safetensors"
+
+
+def converted_tensor_name(layer: int, projection: str, kind: str) -> str:
+    """``blk.{L}.ffn_{gate,up,down}_exps.{weight,scale}``: a converted layer's tensor names."""
+    return f"blk.{layer}.ffn_{projection}_exps.{kind}"
 
 
 class CheckpointError(ValueError):
@@ -63,14 +81,22 @@ class TensorReader:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, index: int | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only its ``index``-th entry along the first dimension."""
+        return self._access(key, lambda f: f.get_tensor(key) if index is None else f.get_slice(key)[index])
+
+    def header(self, key: str) -> tuple[str, list[int]]:
+        """The tensor's safetensors dtype ("BF16", "F8_E4M3", ...) and shape; no data is read."""
+        return self._access(key, lambda f: (f.get_slice(key).get_dtype(), f.get_slice(key).get_shape()))
+
+    def _access(self, key: str, action):
         if key not in self.files:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint")
         file = self.files[key]
         try:
             if file not in self._open:
                 self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
-            return self._open[file].get_tensor(key)
+            return action(self._open[file])
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({error})") from error
 
@@ -102,4 +128,60 @@ def read_v4_flash_experts(path: str | Path, layer: int, num_experts: int) -> dic
                         )
                     stacked[expert] = tensor.view(torch.uint8)
                 result[out_name] = stacked
+    return result
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    """The manifest of a converted checkpoint directory, or None where the directory has none."""
+    file = Path(path) / MANIFEST_NAME
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{file}: not a readable manifest ({error})") from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), dict):
+        raise CheckpointError(f"{file}: not a kt-kernel manifest (no 'layers' table)")
+    return manifest
+
+
+def read_converted_layer(
+    path: str | Path, layer: int, num_experts: int, method: str
+) -> dict[str, torch.Tensor]:
+    """Experts 0..num_experts-1 of one layer of a converted checkpoint (``kt-kernel convert``).
+
+    Returns gate/up/down and, except for BF16, gate_scale/up_scale/down_scale: the arguments of
+    KTMoEWrapper.load_weights_from_tensors. ValueError when ``method`` means another format than
+    the checkpoint holds; CheckpointError for a missing layer, too few experts or a bad file.
+    """
+    fmt = quant.weight_format(method)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise CheckpointError(f"{path} holds no {MANIFEST_NAME}: not a converted checkpoint")
+    held = manifest.get("format")
+    if held != fmt:
+        raise ValueError(
+            f"{path} holds {held} weights, but method {method!r} needs {fmt}; "
+            f"convert again with --format {fmt.lower()} or pass method={held!r}"
+        )
+    entry = manifest["layers"].get(str(layer))
+    if entry is None:
+        done = ", ".join(sorted(manifest["layers"], key=int)) or "none"
+        raise CheckpointError(f"layer {layer} is not in the converted checkpoint {path} (layers: {done})")
+    if num_experts > entry["experts"]:
+        raise CheckpointError(f"layer {layer} of {path} has {entry['experts']} experts, {num_experts} asked")
+    file = Path(path) / entry["file"]
+    kinds = {"weight": ""} if fmt == "BF16" else {"weight": "", "scale": "_scale"}
+    result: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(file, framework="pt") as f:
+            written = (f.metadata() or {}).get("format")
+            if written != fmt:
+                raise CheckpointError(f"{file}: holds {written} weights, not {fmt}")
+            for projection in PROJECTIONS:
+                for kind, suffix in kinds.items():
+                    tensor = f.get_slice(converted_tensor_name(layer, projection, kind))
+                    result[projection + suffix] = tensor[:num_experts]
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: cannot read layer {layer} ({error})") from error
     return result

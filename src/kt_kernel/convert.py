@@ -1,0 +1,434 @@
+"""``kt-kernel convert``: routed-expert weights of a Hugging Face checkpoint -> a converted checkpoint.
+
+Input: a directory of ``.safetensors`` (with or without ``*.index.json``), experts in BF16, FP16,
+FP32 or FP8 E4M3 with DeepSeek-style 128x128 block scales (``<key>_scale_inv``, fp32
+``[ceil(N/128), ceil(K/128)]``; weight = fp8 value * the scale of its block). Expert namings,
+found from the tensor names (any prefix before ``layers.{L}``, e.g. ``model.`` or
+``model.language_model.``):
+
+- ``layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight`` (DeepSeek, Qwen);
+- ``layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (Mixtral, MiniMax; w1 = gate,
+  w3 = up, w2 = down);
+- ``layers.{L}.mlp.experts.{gate_up_proj,down_proj}``, fused, as transformers v5 models
+  (Qwen3.5-MoE, Qwen3-MoE, GLM4-MoE) define and Qwen3.5-MoE checkpoints store them:
+  ``gate_up_proj`` ``[E, 2I, H]`` whose rows ``[:I]`` are gate and ``[I:]`` up (the model computes
+  ``linear(x, gate_up_proj[e]).chunk(2, dim=-1)`` -> gate, up), ``down_proj`` ``[E, H, I]``.
+  The transposed ``[E, H, 2I]`` variant of Llama4 / GPT-OSS (GPT-OSS also interleaves gate and
+  up) is not read: it cannot be told apart from ``[E, 2I, H]`` when H = 2I.
+
+Output, in OUTPUT_DIR: ``layer_{L:03d}.safetensors`` per layer with
+``blk.{L}.ffn_{gate,up,down}_exps.weight`` (the format's values, ``[E, N, K...]``) and, except
+BF16, ``blk.{L}.ffn_{gate,up,down}_exps.scale``; and ``kt_manifest.json`` (format, group size,
+per-layer shapes and file, source, tool version). Every file is written under a temporary name
+and renamed when complete, the manifest after each layer, so an interrupted run leaves only
+complete layers behind; ``resume=True`` skips them. Peak memory is about one layer's converted
+experts: the source is read and quantized one expert at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from . import __version__, quant
+from .checkpoint import (
+    MANIFEST_NAME,
+    PROJECTIONS,
+    CheckpointError,
+    TensorReader,
+    converted_file_name,
+    converted_tensor_name,
+    index_checkpoint,
+    read_manifest,
+)
+
+FP8_BLOCK = 128
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+_FP8_DTYPE = "F8_E4M3"
+_PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a checkpoint names its experts; ``keys`` are gate, up, down key templates."""
+
+    name: str
+    pattern: re.Pattern[str]
+    keys: tuple[str, str, str]
+    fused: bool = False
+
+
+_PER_EXPERT = "{prefix}layers.{layer}.%s.experts.{expert}.%s.weight"
+_FUSED = "{prefix}layers.{layer}.mlp.experts.%s"
+NAMINGS = (
+    Naming(
+        "mlp.experts.{e}.{gate,up,down}_proj",
+        re.compile(_PREFIX + r"mlp\.experts\.(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight$"),
+        tuple(_PER_EXPERT % ("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")),
+    ),
+    Naming(
+        "block_sparse_moe.experts.{e}.{w1,w3,w2}",
+        re.compile(_PREFIX + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w[123]\.weight$"),
+        tuple(_PER_EXPERT % ("block_sparse_moe", p) for p in ("w1", "w3", "w2")),
+    ),
+    Naming(
+        "mlp.experts.{gate_up_proj,down_proj} (fused)",
+        re.compile(_PREFIX + r"mlp\.experts\.(?:gate_up_proj|down_proj)$"),
+        (_FUSED % "gate_up_proj", _FUSED % "gate_up_proj", _FUSED % "down_proj"),
+        fused=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One layer's routed experts: E experts, gate/up [I, H], down [H, I]; dtypes as stored."""
+
+    index: int
+    experts: int
+    hidden: int
+    intermediate: int
+    dtypes: frozenset[str]
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK):
+    """FP8 ``[N, K]`` times one fp32 scale per ``block x block`` tile (``[ceil(N/b), ceil(K/b)]``),
+    as float32: DeepSeek's ``weight_scale_inv`` is a multiplier despite its name."""
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
+    return weight.float() * scale
+
+
+class ExpertSource:
+    """The routed experts of a checkpoint, found by name and read one expert at a time."""
+
+    def __init__(self, path: Path, files: dict[str, Path], reader: TensorReader) -> None:
+        self.path, self.reader = path, reader
+        self.naming, self.prefix, self.experts = self._detect(files)
+
+    def _detect(self, keys: Iterable[str]) -> tuple[Naming, str, dict[int, int]]:
+        groups: dict[tuple[Naming, str], dict[int, int]] = {}
+        for key in keys:
+            if ".experts." not in key:
+                continue
+            for naming in NAMINGS:
+                match = naming.pattern.match(key)
+                if match:
+                    layers = groups.setdefault((naming, match["prefix"]), {})
+                    count = 0 if naming.fused else int(match["expert"]) + 1  # fused: from the shape
+                    layers[int(match["layer"])] = max(layers.get(int(match["layer"]), 0), count)
+        if not groups:
+            known = "; ".join(n.keys[0].format(prefix="", layer="L", expert="e") for n in NAMINGS)
+            raise CheckpointError(f"no routed-expert tensors found in {self.path} (looked for: {known})")
+        # A model may hold a few more MoE layers elsewhere (e.g. "mtp.layers.0..."): take the main stack.
+        ranked = sorted(groups.items(), key=lambda item: -len(item[1]))
+        if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
+            found = ", ".join(f"{prefix}layers.* ({naming.name})" for (naming, prefix), _ in ranked)
+            raise CheckpointError(f"{self.path}: routed experts under several names, cannot choose: {found}")
+        for (_, prefix), layers in ranked[1:]:
+            print(f"[convert] ignoring {len(layers)} layers under {prefix}layers.*", file=sys.stderr)
+        (naming, prefix), layers = ranked[0]
+        return naming, prefix, layers
+
+    def key(self, projection: int, layer: int, expert: int) -> str:
+        return self.naming.keys[projection].format(prefix=self.prefix, layer=layer, expert=expert)
+
+    def describe(self, layer: int) -> MoELayer:
+        """Check that every expert tensor of the layer exists with consistent shapes (headers only)."""
+        if self.naming.fused:
+            return self._describe_fused(layer)
+        dtypes, shapes = set(), {}
+        for expert in range(self.experts[layer]):
+            for projection in range(3):
+                key = self.key(projection, layer, expert)
+                dtype, shape = self._checked_header(key)
+                dtypes.add(dtype)
+                expected = shapes.setdefault(projection, shape)
+                if shape != expected:
+                    raise CheckpointError(f"tensor {key!r} has shape {shape}, expert 0 has {expected}")
+        (inter, hidden), down = shapes[0], shapes[2]
+        if shapes[1] != [inter, hidden] or down != [hidden, inter]:
+            raise CheckpointError(
+                f"layer {layer}: gate {shapes[0]}, up {shapes[1]}, down {down} are not [I, H], [I, H], [H, I]"
+            )
+        return MoELayer(layer, self.experts[layer], hidden, inter, frozenset(dtypes))
+
+    def _describe_fused(self, layer: int) -> MoELayer:
+        gate_up_dtype, gate_up = self.reader.header(self.key(0, layer, 0))
+        down_dtype, down = self.reader.header(self.key(2, layer, 0))
+        if gate_up_dtype not in _FLOAT_DTYPES or down_dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(  # no FP8 scale layout for fused experts is known to us
+                f"layer {layer}: fused experts must be BF16, F16 or F32, got {gate_up_dtype}, {down_dtype}"
+            )
+        ok = len(gate_up) == len(down) == 3 and gate_up[0] == down[0]
+        if not ok or gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
+            raise CheckpointError(
+                f"layer {layer}: fused gate_up_proj {gate_up} and down_proj {down} are not "
+                "[E, 2I, H] and [E, H, I]"
+            )
+        self.experts[layer] = gate_up[0]
+        return MoELayer(layer, gate_up[0], down[1], down[2], frozenset({gate_up_dtype, down_dtype}))
+
+    def _checked_header(self, key: str) -> tuple[str, list[int]]:
+        dtype, shape = self.reader.header(key)
+        if dtype == _FP8_DTYPE:
+            scale_key = key + "_scale_inv"
+            blocks = [-(-size // FP8_BLOCK) for size in shape]
+            scale_shape = self.reader.header(scale_key)[1]
+            if scale_shape != blocks:
+                raise CheckpointError(
+                    f"tensor {scale_key!r} has shape {scale_shape}, expected {blocks} "
+                    f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} block of {key!r} {shape})"
+                )
+        elif dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {key!r} has dtype {dtype}; expected BF16, F16, F32 or F8_E4M3")
+        if len(shape) != 2:
+            raise CheckpointError(f"tensor {key!r} has shape {shape}, expected 2-D")
+        return dtype, shape
+
+    def read_expert(self, layer: MoELayer, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate [I, H], up [I, H], down [H, I] of one expert, in the source's precision (FP8 dequantized)."""
+        if self.naming.fused:
+            gate_up = self.reader.read(self.key(0, layer.index, 0), expert)
+            down = self.reader.read(self.key(2, layer.index, 0), expert)
+            return gate_up[: layer.intermediate], gate_up[layer.intermediate :], down
+        return tuple(self._read_weight(self.key(p, layer.index, expert)) for p in range(3))
+
+    def _read_weight(self, key: str) -> torch.Tensor:
+        weight = self.reader.read(key)
+        if weight.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8_blocks(weight, self.reader.read(key + "_scale_inv"))
+        return weight
+
+
+def parse_layers(text: str) -> list[int]:
+    """Layer indices from ``A-B``, ``A`` or a comma list of both ("0-3,7" -> [0, 1, 2, 3, 7])."""
+    layers: set[int] = set()
+    for part in text.split(","):
+        bounds = part.strip().split("-")
+        if len(bounds) > 2 or not all(b.strip().isdigit() for b in bounds):
+            raise ValueError(f"--layers: {part!r} is not a layer or a range A-B")
+        first, last = int(bounds[0]), int(bounds[-1])
+        if last < first:
+            raise ValueError(f"--layers: empty range {part!r}")
+        layers.update(range(first, last + 1))
+    return sorted(layers)
+
+
+class Progress:
+    """A status line on stderr, rewritten in place on a terminal; one line per layer otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.live = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def expert(self, layer: MoELayer, expert: int) -> None:
+        now = time.monotonic()
+        if self.live and (now - self._last > 0.1 or expert + 1 == layer.experts):
+            self._last = now
+            head = f"[convert] layer {self.done + 1}/{self.total} (L{layer.index})"
+            print(f"\r{head}: expert {expert + 1}/{layer.experts}", end="", file=sys.stderr, flush=True)
+
+    def layer(self, layer: MoELayer, note: str) -> None:
+        self.done += 1
+        if self.enabled:
+            head = f"[convert] layer {self.done}/{self.total} (L{layer.index})"
+            print(("\r" if self.live else "") + f"{head}: {note}", file=sys.stderr, flush=True)
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary name in the same directory, then rename: a reader sees all or nothing."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(temporary)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # safetensors creates its files 0600; make them like any other
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _write_manifest(output: Path, manifest: dict) -> None:
+    text = json.dumps(manifest, indent=2) + "\n"
+    _write_atomically(output / MANIFEST_NAME, lambda tmp: tmp.write_text(text))
+
+
+def _layer_is_complete(output: Path, manifest: dict, layer: MoELayer, fmt: str) -> bool:
+    """Listed in the manifest with the same shapes, and its file is there, readable, of this format."""
+    entry = manifest["layers"].get(str(layer.index))
+    shapes = {"experts": layer.experts, "hidden": layer.hidden, "intermediate": layer.intermediate}
+    if entry is None or any(entry.get(key) != value for key, value in shapes.items()):
+        return False
+    try:
+        with safe_open(output / entry["file"], framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError):
+        return False
+    return metadata.get("format") == fmt and metadata.get("layer") == str(layer.index)
+
+
+def _convert_layer(
+    source: ExpertSource, layer: MoELayer, fmt: str, group_size: int | None, progress: Progress
+) -> dict[str, torch.Tensor]:
+    """Quantize a layer expert by expert into stacked [E, ...] tensors named blk.{L}.ffn_*_exps.*."""
+    out: dict[str, torch.Tensor] = {}
+    for expert in range(layer.experts):
+        for projection, weight in zip(PROJECTIONS, source.read_expert(layer, expert), strict=True):
+            values, scales = quant.quantize(fmt, weight, group_size)
+            for kind, tensor in (("weight", values), ("scale", scales)):
+                if tensor is None:
+                    continue
+                name = converted_tensor_name(layer.index, projection, kind)
+                if name not in out:
+                    out[name] = torch.empty((layer.experts, *tensor.shape), dtype=tensor.dtype)
+                out[name][expert] = tensor
+        progress.expert(layer, expert)
+    return out
+
+
+def _choose_group_size(
+    fmt: str, group_size: int | None, layers: list[MoELayer], manifest: dict | None
+) -> int | None:
+    """INT4: the given group size, else the one OUTPUT_DIR already holds, else the largest of
+    128/64/32 dividing H and I of every layer. Other formats take none."""
+    if fmt != "INT4":
+        if group_size is not None:
+            raise ValueError(f"--group-size applies to int4 only, not {fmt.lower()}")
+        return None
+    previous = manifest.get("group_size") if manifest else None
+    if group_size is not None and previous is not None and group_size != previous:
+        raise ValueError(f"OUTPUT_DIR holds INT4 weights with group size {previous}, not {group_size}")
+    group_size = group_size or previous
+    if group_size is not None and group_size not in quant.INT4_GROUP_SIZES:
+        raise ValueError(f"--group-size must be one of {quant.INT4_GROUP_SIZES}, got {group_size}")
+    for candidate in [group_size] if group_size else sorted(quant.INT4_GROUP_SIZES, reverse=True):
+        if all(layer.hidden % candidate == 0 == layer.intermediate % candidate for layer in layers):
+            return candidate
+    raise ValueError(f"INT4 group size {group_size} does not divide the hidden and intermediate sizes")
+
+
+def convert_checkpoint(
+    input_dir: str | Path,
+    output_dir: str | Path,
+    method: str,
+    *,
+    group_size: int | None = None,
+    layers: Iterable[int] | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Convert the routed experts of ``input_dir`` into ``output_dir`` (see the module docstring).
+
+    ``method``: INT4, INT8, MXFP4 or BF16 (or an alias such as AMXINT4); ``layers``: a subset of
+    the layer indices (default: all MoE layers); ``resume``: skip layers already complete in
+    ``output_dir``. Returns the manifest. Raises CheckpointError (a ValueError) for unreadable or
+    incomplete input, ValueError for a conflicting OUTPUT_DIR or impossible options.
+    """
+    fmt = quant.weight_format(method)
+    source_path, output = Path(input_dir).resolve(), Path(output_dir).resolve()
+    if source_path == output:
+        raise ValueError("OUTPUT_DIR must differ from INPUT_DIR")
+    files = index_checkpoint(source_path)
+    with ExitStack() as stack:
+        source = ExpertSource(source_path, files, TensorReader(files, stack))
+        wanted = sorted(source.experts) if layers is None else sorted(set(layers))
+        absent = [layer for layer in wanted if layer not in source.experts]
+        if absent:
+            raise ValueError(f"layers {absent} hold no routed experts (MoE layers: {sorted(source.experts)})")
+        todo = [source.describe(layer) for layer in wanted]  # every key and shape checked before writing
+        if fmt in ("INT4", "MXFP4"):
+            for layer in todo:
+                if layer.hidden % 32 or layer.intermediate % 32:
+                    raise ValueError(
+                        f"layer {layer.index}: {fmt} needs hidden ({layer.hidden}) and intermediate "
+                        f"({layer.intermediate}) sizes that are multiples of 32"
+                    )
+        manifest = read_manifest(output) if output.is_dir() else None
+        if manifest is not None and manifest.get("format") != fmt:
+            raise ValueError(
+                f"{output} already holds {manifest.get('format')} weights ({MANIFEST_NAME}); "
+                f"use --format {str(manifest.get('format')).lower()} or another OUTPUT_DIR"
+            )
+        if manifest is not None and manifest.get("source") != str(source_path):
+            raise ValueError(f"{output} holds a conversion of {manifest.get('source')}, not of {source_path}")
+        group_size = _choose_group_size(fmt, group_size, todo, manifest)
+        output.mkdir(parents=True, exist_ok=True)
+        for stale in [*output.glob(".layer_*.tmp"), *output.glob(f".{MANIFEST_NAME}.*.tmp")]:
+            stale.unlink(missing_ok=True)  # left by a run that was killed while writing
+        dtypes = set().union(*(layer.dtypes for layer in todo))
+        manifest = {
+            "tool": "kt-kernel convert",
+            "kt_kernel_version": __version__,
+            "format": fmt,
+            **({"group_size": group_size} if fmt == "INT4" else {}),
+            "source": str(source_path),
+            "source_dtype": ",".join(sorted(dtypes)),
+            "naming": source.naming.name,
+            "source_prefix": source.prefix,
+            "layers": {} if manifest is None else manifest["layers"],
+        }
+        bar = Progress(len(todo), progress)
+        for layer in todo:
+            if resume and _layer_is_complete(output, manifest, layer, fmt):
+                bar.layer(layer, "already converted, skipped")
+                continue
+            start = time.monotonic()
+            tensors = _convert_layer(source, layer, fmt, group_size, bar)
+            file = converted_file_name(layer.index)
+            metadata = {"format": fmt, "layer": str(layer.index), "experts": str(layer.experts)}
+            _write_atomically(output / file, lambda tmp, t=tensors, m=metadata: save_file(t, str(tmp), m))
+            del tensors
+            manifest["layers"][str(layer.index)] = {
+                "file": file,
+                "experts": layer.experts,
+                "hidden": layer.hidden,
+                "intermediate": layer.intermediate,
+            }
+            manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda item: int(item[0])))
+            _write_manifest(output, manifest)
+            bar.layer(layer, f"{layer.experts} experts in {time.monotonic() - start:.1f} s -> {file}")
+        _write_manifest(output, manifest)  # also when every layer was skipped
+    return manifest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``convert`` subcommand's arguments."""
+    parser.add_argument("input_dir", help="Hugging Face-style model directory of .safetensors")
+    parser.add_argument("output_dir", help="directory for layer_LLL.safetensors and kt_manifest.json")
+    formats = ["INT4", "INT8", "MXFP4", "BF16"]
+    parser.add_argument("--format", required=True, type=str.upper, choices=formats, help="|".join(formats))
+    parser.add_argument("--group-size", type=int, help="INT4: 32, 64 or 128 (default: largest that fits)")
+    parser.add_argument("--layers", type=parse_layers, help="layers to convert: A-B, A, or a list like 0-3,7")
+    parser.add_argument("--resume", action="store_true", help="skip layers already complete in OUTPUT_DIR")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``kt-kernel convert``; a bad input or OUTPUT_DIR is one line on stderr and exit status 1."""
+    try:
+        manifest = convert_checkpoint(
+            args.input_dir, args.output_dir, args.format,
+            group_size=args.group_size, layers=args.layers, resume=args.resume, progress=not args.quiet,
+        )  # fmt: skip
+    except (ValueError, OSError) as error:  # CheckpointError is a ValueError
+        print(f"kt-kernel convert: error: {error}", file=sys.stderr)
+        return 1
+    print(f"{len(manifest['layers'])} layers of {manifest['format']} experts in {args.output_dir}")
+    return 0
