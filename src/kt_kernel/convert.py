@@ -33,8 +33,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,9 +114,18 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
 class ExpertSource:
     """The routed experts of a checkpoint, found by name and read one expert at a time."""
 
-    def __init__(self, path: Path, files: dict[str, Path], reader: TensorReader) -> None:
-        self.path, self.reader = path, reader
+    def __init__(self, path: Path, files: dict[str, Path]) -> None:
+        self.path, self.files = path, files
         self.naming, self.prefix, self.experts = self._detect(files)
+        self.reader: TensorReader
+
+    @contextmanager
+    def opened(self) -> Iterator[ExpertSource]:
+        """Read inside this only. Files are memory-mapped while open and the pages read count in
+        the process's RSS until they are closed: opening them per layer keeps that to one layer."""
+        with ExitStack() as stack:
+            self.reader = TensorReader(self.files, stack)
+            yield self
 
     def _detect(self, keys: Iterable[str]) -> tuple[Naming, str, dict[int, int]]:
         groups: dict[tuple[Naming, str], dict[int, int]] = {}
@@ -345,66 +354,66 @@ def convert_checkpoint(
     source_path, output = Path(input_dir).resolve(), Path(output_dir).resolve()
     if source_path == output:
         raise ValueError("OUTPUT_DIR must differ from INPUT_DIR")
-    files = index_checkpoint(source_path)
-    with ExitStack() as stack:
-        source = ExpertSource(source_path, files, TensorReader(files, stack))
-        wanted = sorted(source.experts) if layers is None else sorted(set(layers))
-        absent = [layer for layer in wanted if layer not in source.experts]
-        if absent:
-            raise ValueError(f"layers {absent} hold no routed experts (MoE layers: {sorted(source.experts)})")
+    source = ExpertSource(source_path, index_checkpoint(source_path))
+    wanted = sorted(source.experts) if layers is None else sorted(set(layers))
+    absent = [layer for layer in wanted if layer not in source.experts]
+    if absent:
+        raise ValueError(f"layers {absent} hold no routed experts (MoE layers: {sorted(source.experts)})")
+    with source.opened():
         todo = [source.describe(layer) for layer in wanted]  # every key and shape checked before writing
-        if fmt in ("INT4", "MXFP4"):
-            for layer in todo:
-                if layer.hidden % 32 or layer.intermediate % 32:
-                    raise ValueError(
-                        f"layer {layer.index}: {fmt} needs hidden ({layer.hidden}) and intermediate "
-                        f"({layer.intermediate}) sizes that are multiples of 32"
-                    )
-        manifest = read_manifest(output) if output.is_dir() else None
-        if manifest is not None and manifest.get("format") != fmt:
-            raise ValueError(
-                f"{output} already holds {manifest.get('format')} weights ({MANIFEST_NAME}); "
-                f"use --format {str(manifest.get('format')).lower()} or another OUTPUT_DIR"
-            )
-        if manifest is not None and manifest.get("source") != str(source_path):
-            raise ValueError(f"{output} holds a conversion of {manifest.get('source')}, not of {source_path}")
-        group_size = _choose_group_size(fmt, group_size, todo, manifest)
-        output.mkdir(parents=True, exist_ok=True)
-        for stale in [*output.glob(".layer_*.tmp"), *output.glob(f".{MANIFEST_NAME}.*.tmp")]:
-            stale.unlink(missing_ok=True)  # left by a run that was killed while writing
-        dtypes = set().union(*(layer.dtypes for layer in todo))
-        manifest = {
-            "tool": "kt-kernel convert",
-            "kt_kernel_version": __version__,
-            "format": fmt,
-            **({"group_size": group_size} if fmt == "INT4" else {}),
-            "source": str(source_path),
-            "source_dtype": ",".join(sorted(dtypes)),
-            "naming": source.naming.name,
-            "source_prefix": source.prefix,
-            "layers": {} if manifest is None else manifest["layers"],
-        }
-        bar = Progress(len(todo), progress)
+    if fmt in ("INT4", "MXFP4"):
         for layer in todo:
-            if resume and _layer_is_complete(output, manifest, layer, fmt):
-                bar.layer(layer, "already converted, skipped")
-                continue
-            start = time.monotonic()
+            if layer.hidden % 32 or layer.intermediate % 32:
+                raise ValueError(
+                    f"layer {layer.index}: {fmt} needs hidden ({layer.hidden}) and intermediate "
+                    f"({layer.intermediate}) sizes that are multiples of 32"
+                )
+    manifest = read_manifest(output) if output.is_dir() else None
+    if manifest is not None and manifest.get("format") != fmt:
+        raise ValueError(
+            f"{output} already holds {manifest.get('format')} weights ({MANIFEST_NAME}); "
+            f"use --format {str(manifest.get('format')).lower()} or another OUTPUT_DIR"
+        )
+    if manifest is not None and manifest.get("source") != str(source_path):
+        raise ValueError(f"{output} holds a conversion of {manifest.get('source')}, not of {source_path}")
+    group_size = _choose_group_size(fmt, group_size, todo, manifest)
+    output.mkdir(parents=True, exist_ok=True)
+    for stale in [*output.glob(".layer_*.tmp"), *output.glob(f".{MANIFEST_NAME}.*.tmp")]:
+        stale.unlink(missing_ok=True)  # left by a run that was killed while writing
+    dtypes = set().union(*(layer.dtypes for layer in todo))
+    manifest = {
+        "tool": "kt-kernel convert",
+        "kt_kernel_version": __version__,
+        "format": fmt,
+        **({"group_size": group_size} if fmt == "INT4" else {}),
+        "source": str(source_path),
+        "source_dtype": ",".join(sorted(dtypes)),
+        "naming": source.naming.name,
+        "source_prefix": source.prefix,
+        "layers": {} if manifest is None else manifest["layers"],
+    }
+    bar = Progress(len(todo), progress)
+    for layer in todo:
+        if resume and _layer_is_complete(output, manifest, layer, fmt):
+            bar.layer(layer, "already converted, skipped")
+            continue
+        start = time.monotonic()
+        with source.opened():
             tensors = _convert_layer(source, layer, fmt, group_size, bar)
-            file = converted_file_name(layer.index)
-            metadata = {"format": fmt, "layer": str(layer.index), "experts": str(layer.experts)}
-            _write_atomically(output / file, lambda tmp, t=tensors, m=metadata: save_file(t, str(tmp), m))
-            del tensors
-            manifest["layers"][str(layer.index)] = {
-                "file": file,
-                "experts": layer.experts,
-                "hidden": layer.hidden,
-                "intermediate": layer.intermediate,
-            }
-            manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda item: int(item[0])))
-            _write_manifest(output, manifest)
-            bar.layer(layer, f"{layer.experts} experts in {time.monotonic() - start:.1f} s -> {file}")
-        _write_manifest(output, manifest)  # also when every layer was skipped
+        file = converted_file_name(layer.index)
+        metadata = {"format": fmt, "layer": str(layer.index), "experts": str(layer.experts)}
+        _write_atomically(output / file, lambda tmp, t=tensors, m=metadata: save_file(t, str(tmp), m))
+        del tensors
+        manifest["layers"][str(layer.index)] = {
+            "file": file,
+            "experts": layer.experts,
+            "hidden": layer.hidden,
+            "intermediate": layer.intermediate,
+        }
+        manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda item: int(item[0])))
+        _write_manifest(output, manifest)
+        bar.layer(layer, f"{layer.experts} experts in {time.monotonic() - start:.1f} s -> {file}")
+    _write_manifest(output, manifest)  # also when every layer was skipped
     return manifest
 
 
