@@ -127,9 +127,8 @@ def int_wrapper(p, method: str, threads: int = 2, gpu_experts_mask=None) -> KTMo
 
 
 def load_canonical(moe: KTMoEWrapper, t: dict[str, torch.Tensor]) -> None:
-    moe.load_weights_from_tensors(
-        t["gate"], t["up"], t["down"], gate_scale=t["gate_scale"], up_scale=t["up_scale"], down_scale=t["down_scale"]
-    )
+    scales = {f"{name}_scale": t[f"{name}_scale"] for name in ("gate", "up", "down")}
+    moe.load_weights_from_tensors(t["gate"], t["up"], t["down"], **scales)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

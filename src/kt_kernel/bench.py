@@ -3,7 +3,9 @@
 Each build runs in its own subprocess (KT_KERNEL_CPU_VARIANT forces it). A worker measures the machine
 (DRAM read bandwidth, peak multiply-add rates) with the same threads, then times every row: random
 weights quantized on load, routing drawn afresh for every call (seed 0), and the same calls in plain
-PyTorch (per-expert F.linear in bf16) side by side.
+PyTorch side by side: per-expert F.linear in bf16 for bf16 and mxfp4 (torch has no MXFP4 kernel),
+torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu on the same quantized weights for int8
+and int4.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 DEFAULT_SHAPES = ("qwen3-30b", "dsv3-32e")
 TOKENS = (1, 8, 64, 512)
-#: bytes per weight, scales included
-WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32, "mxfp4": 0.5 + 1 / 32}
-DECODE_MAX_TOKENS = 8  # rows up to here report bandwidth, larger ones FLOP/s
+#: bytes per weight, scales included (int4: fp32 scale per 128, the group quantize-on-load picks for
+#: every shape here; int8: fp32 scale per row, negligible)
+WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32}
+DECODE_MAX_TOKENS = 8
+#: The PyTorch baseline of a format where it is not the format itself: torch has no MXFP4 kernel.
+TORCH_FORMAT = {"mxfp4": "bf16"}  # rows up to here report bandwidth, larger ones FLOP/s
 
 
 @dataclass
@@ -77,8 +82,8 @@ def routing(tokens: int, experts: int, top_k: int, generator):
     return ids, weights
 
 
-def torch_moe(x, ids, weights, gate, up, down):
-    """Plain PyTorch reference of one call: per-expert F.linear in bf16."""
+def torch_moe(x, ids, weights, linear, gate, up, down):
+    """Plain PyTorch of one call: linear(x, weight) per expert and projection."""
     import torch
     import torch.nn.functional as F
 
@@ -86,9 +91,43 @@ def torch_moe(x, ids, weights, gate, up, down):
     for expert in ids.unique().tolist():
         token, k = (ids == expert).nonzero(as_tuple=True)
         xt = x[token]
-        act = F.silu(F.linear(xt, gate[expert])) * F.linear(xt, up[expert])
-        out.index_add_(0, token, F.linear(act, down[expert]).float() * weights[token, k, None])
+        act = F.silu(linear(xt, gate[expert])) * linear(xt, up[expert])
+        out.index_add_(0, token, linear(act, down[expert]).float() * weights[token, k, None])
     return out.to(torch.bfloat16)
+
+
+def torch_baseline(fmt: str, gate, up, down):
+    """The PyTorch call for a format: (linear, gate, up, down) with weights in torch's own layout."""
+    import torch
+    import torch.nn.functional as F
+
+    from kt_kernel import quant
+
+    if fmt in ("bf16", "mxfp4"):
+        return F.linear, gate, up, down
+    if fmt == "int8":
+
+        def int8_weights(w):
+            q, s = quant.quantize("INT8", w)
+            return q, s.to(torch.bfloat16)
+
+        def int8_linear(x, w):
+            return torch._weight_int8pack_mm(x, *w)
+
+        return (int8_linear, *([int8_weights(e) for e in proj] for proj in (gate, up, down)))
+
+    group = quant.DEFAULT_INT4_GROUP_SIZE
+
+    def int4_weights(w):  # torch's int4 is unsigned with w = (q - 8) * scale + zero
+        values, scales = quant.quantize("INT4", w, group_size=group)
+        q = quant.dequantize("INT4", values, torch.ones_like(scales)).round().to(torch.int32) + 8
+        scale_zero = torch.stack([scales.T, torch.zeros_like(scales.T)], dim=-1).to(torch.bfloat16)
+        return torch._convert_weight_to_int4pack_for_cpu(q, 2), scale_zero.contiguous()
+
+    def int4_linear(x, w):
+        return torch._weight_int4pack_mm_for_cpu(x, w[0], group, w[1])
+
+    return (int4_linear, *([int4_weights(e) for e in proj] for proj in (gate, up, down)))
 
 
 def time_calls(call, inputs, budget_s: float, min_calls: int, max_calls: int, warmup: int) -> list[float]:
@@ -147,14 +186,23 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     kernels = dict(ext.kernel_info())
-    peak = {op: ext.measure_peak_gflops(args.threads, op) for op in ("fma_f32", "dpbf16")}
+    peak = {op: ext.measure_peak_gflops(args.threads, op) for op in ("fma_f32", "dpbf16", "dpint8")}
     dram = ext.measure_read_bandwidth(args.threads, 1 << 29)
     uses_dpbf16 = "vdpbf16ps" in kernels["bf16_path"]
-    peak_op = "dpbf16" if uses_dpbf16 else "fma_f32"
+    uses_dpint8 = "vpdpbusd" in kernels["int8_path"]
+    # The peak each format's kernel is measured against: its multiply instruction, fp32 FMA where it
+    # has none of its own (the issue's yardstick for the AVX2 build).
+    peak_ops = {
+        "bf16": "dpbf16" if uses_dpbf16 else "fma_f32",
+        "mxfp4": "dpbf16" if uses_dpbf16 else "fma_f32",
+        "int8": "dpint8" if uses_dpint8 else "fma_f32",
+        "int4": "dpint8" if uses_dpint8 else "fma_f32",
+    }
     variant = kt_kernel.__cpu_variant__
-    label = variant + ("-plain" if variant != "avx2" and not uses_dpbf16 else "")
+    label = variant + ("-plain" if variant != "avx2" and not (uses_dpbf16 or uses_dpint8) else "")
     rows: list[Row] = []
-    steps = len(args.shape) * (len(args.format) + args.torch) * len(args.tokens)
+    baselines = sorted({TORCH_FORMAT.get(f, f) for f in args.format}) if args.torch else []
+    steps = len(args.shape) * (len(args.format) + len(baselines)) * len(args.tokens)
     step = 0
     for shape in args.shape:
         experts, top_k, hidden, inter = SHAPES[shape]
@@ -188,24 +236,27 @@ def run_worker(args: argparse.Namespace) -> dict:
                         median_ms=median * 1e3, p10_ms=deciles[0] * 1e3, p90_ms=deciles[-1] * 1e3,
                         tokens_per_s=tokens / median, gbps=gbps, tflops=tflops,
                         dram_gbps=row_dram, pct_of_bandwidth=100 * gbps / row_dram if decode else None,
-                        pct_of_peak=None if decode else 100 * tflops * 1e3 / peak[peak_op],
-                        peak_op=peak_op, torch_median_ms=None, speedup_vs_torch=None,
+                        pct_of_peak=None if decode else 100 * tflops * 1e3 / peak[peak_ops[fmt]],
+                        peak_op=peak_ops[fmt], torch_median_ms=None, speedup_vs_torch=None,
                     )
                 )  # fmt: skip
             del moe
         # PyTorch after the engine's rows (its OpenMP threads keep spinning after each call and would
-        # take cores from the engine), once per token count: the same calls for every format.
-        baseline = partial(torch_moe, gate=gate, up=up, down=down)
-        for tokens in args.tokens if args.torch else ():
-            progress(step, steps, f"{label} {shape} torch T={tokens}")
-            step += 1
-            inputs = call_inputs(shape, tokens, args.calls + 2)
-            median = statistics.median(
-                time_calls(baseline, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=1)
-            )
-            for row in shape_rows:
-                if row.tokens == tokens:
-                    row.torch_median_ms, row.speedup_vs_torch = median * 1e3, median * 1e3 / row.median_ms
+        # take cores from the engine), once per token count and torch format: the same calls.
+        for torch_format in baselines:
+            linear, *weights = torch_baseline(torch_format, gate, up, down)
+            baseline = partial(torch_moe, linear=linear, gate=weights[0], up=weights[1], down=weights[2])
+            for tokens in args.tokens:
+                progress(step, steps, f"{label} {shape} torch {torch_format} T={tokens}")
+                step += 1
+                inputs = call_inputs(shape, tokens, args.calls + 2)
+                median = statistics.median(
+                    time_calls(baseline, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=1)
+                )
+                for row in shape_rows:
+                    if row.tokens == tokens and torch_format == TORCH_FORMAT.get(row.format, row.format):
+                        row.torch_median_ms, row.speedup_vs_torch = median * 1e3, median * 1e3 / row.median_ms
+            del baseline, weights
         rows += shape_rows
     progress(steps, steps, "done\n")
     return {"variant": label, "dram_gbps": dram, "peak_gflops": peak, "kernels": kernels,
@@ -233,7 +284,7 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [f"machine: {m['cpu']}, {m['threads']} threads"]
     for w in result["workers"]:
-        peaks = ", ".join(f"{op} {g:.0f} GFLOP/s" for op, g in w["peak_gflops"].items() if g)
+        peaks = ", ".join(f"{op} {g:.0f} G/s" for op, g in w["peak_gflops"].items() if g)  # FLOP or int OP
         lines.append(f"  {w['variant']:<12} DRAM read {w['dram_gbps']:.1f} GB/s; peak {peaks}")
     header = (
         f"{'build':<12} {'shape':<10} {'format':<6} {'T':>4} {'median ms':>10} {'p10-p90 ms':>15} "
@@ -256,7 +307,9 @@ def format_table(result: dict) -> str:
     lines.append(
         "\n%BW (T <= 8): effective bandwidth (distinct expert weights touched / latency) vs DRAM, the read "
         "bandwidth measured just before the row.\n%peak (T >= 64): vs the measured peak of the instruction "
-        "the kernel uses."
+        "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it has neither).\ntorch: per-expert "
+        "F.linear in bf16 (bf16, mxfp4), torch._weight_int8pack_mm (int8), _weight_int4pack_mm_for_cpu "
+        "(int4)."
     )
     return "\n".join(lines)
 
@@ -313,7 +366,8 @@ def main(args: argparse.Namespace) -> int:
             subprocess.run(command, env=env, check=True)
             workers.append(json.loads(Path(out.name).read_text()))
             if variant == "avx512" and args.variant == "all":
-                env["KT_KERNEL_DISABLE_AVX512_BF16"] = "1"  # the plain AVX512F path too
+                env["KT_KERNEL_DISABLE_AVX512_BF16"] = "1"  # the plain AVX512F / BW paths too
+                env["KT_KERNEL_DISABLE_AVX512_VNNI"] = "1"
                 subprocess.run(command, env=env, check=True)
                 workers.append(json.loads(Path(out.name).read_text()))
     result = {

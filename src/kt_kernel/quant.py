@@ -120,7 +120,9 @@ def _quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
 
 def _dequantize_int4(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     values = values.view(torch.uint8)
-    nibbles = torch.stack([values & 0x0F, values >> 4], dim=-1).reshape(*values.shape[:-1], values.shape[-1] * 2)
+    nibbles = torch.stack([values & 0x0F, values >> 4], dim=-1).reshape(
+        *values.shape[:-1], values.shape[-1] * 2
+    )
     q = nibbles.to(torch.int16) - 16 * (nibbles >= 8).to(torch.int16)  # two's complement
     k = q.shape[-1]
     if k % scales.shape[-1]:
