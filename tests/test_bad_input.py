@@ -60,7 +60,8 @@ def inputs(tokens: int = 3):
         ),
         ({"gpu_experts_mask": torch.zeros(8)}, TypeError, "gpu_experts_mask must be a bool tensor"),
         ({"max_deferred_experts_per_token": 2}, NotImplementedError, "deferred experts are not supported"),
-        ({"threadpool_count": 2}, NotImplementedError, "NUMA subpools"),
+        ({"threadpool_count": 3}, ValueError, r"threadpool_count \(3\) cannot exceed cpuinfer_threads"),
+        ({"threadpool_count": 2, "numa_nodes": [0, 4099]}, ValueError, "NUMA node 4099"),
         ({"method": "AMXINT4"}, NotImplementedError, "INT4 weights\\) is not implemented yet"),
         (
             {"method": "mxfp4"},

@@ -59,6 +59,17 @@ int integer_scale_group(kt::WeightFormat format, size_t values_per_row, size_t s
   return int(group);
 }
 
+// submit() of MoEEngine or MoESubpools: shapes checked here, the rest by the engine.
+template <typename Engine>
+void submit(Engine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>> ids,
+            CpuArray<const float, nb::ndim<2>> weights, Bf16Out2 out) {
+  require(ids.shape(0) == hidden.shape(0) && weights.shape(0) == hidden.shape(0) && ids.shape(1) == weights.shape(1) &&
+              out.shape(0) == hidden.shape(0) && out.shape(1) == hidden.shape(1),
+          "hidden, ids, weights and out disagree in shape");
+  engine.submit(bf16_data(hidden.data()), int(hidden.shape(0)), ids.data(), weights.data(),
+                reinterpret_cast<bf16_t*>(out.data()));
+}
+
 }  // namespace
 
 NB_MODULE(KT_MODULE_NAME, m) {
@@ -200,18 +211,41 @@ NB_MODULE(KT_MODULE_NAME, m) {
            nb::call_guard<nb::gil_scoped_release>(),
            "Copy and pack INT8 [E, N, K] / INT4 [E, N, K/2] weights with float scales [E, N, 1] / [E, N, K/G] "
            "(checked in Python).")
-      .def("submit",
-           [](kt::MoEEngine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>> ids,
-              CpuArray<const float, nb::ndim<2>> weights, Bf16Out2 out) {
-             require(ids.shape(0) == hidden.shape(0) && weights.shape(0) == hidden.shape(0) &&
-                         ids.shape(1) == weights.shape(1) && out.shape(0) == hidden.shape(0) &&
-                         out.shape(1) == hidden.shape(1),
-                     "hidden, ids, weights and out disagree in shape");
-             engine.submit(bf16_data(hidden.data()), int(hidden.shape(0)), ids.data(), weights.data(),
-                           reinterpret_cast<bf16_t*>(out.data()));
-           },
-           nb::call_guard<nb::gil_scoped_release>(), "Start a forward; hidden and out must stay alive until sync().")
+      .def("submit", &submit<kt::MoEEngine>, nb::call_guard<nb::gil_scoped_release>(),
+           "Start a forward; hidden and out must stay alive until sync().")
       .def("sync", &kt::MoEEngine::sync, nb::call_guard<nb::gil_scoped_release>())
       .def("release_scratch", &kt::MoEEngine::release_scratch)
+      .def("worker_cpus", &kt::MoEEngine::worker_cpus, nb::call_guard<nb::gil_scoped_release>(),
+           "The CPUs each worker thread may run on, as the kernel reports them to the thread itself.")
       .def_prop_ro("pending", &kt::MoEEngine::pending);
+
+  nb::class_<kt::MoESubpools>(m, "MoESubpools")
+      .def("__init__",
+           [](kt::MoESubpools* self, int num_experts, int top_k, int hidden, const std::string& method,
+              const std::vector<int>& intermediates, const std::vector<int>& threads,
+              const std::vector<std::vector<int>>& cpus, const std::vector<int>& skip_experts) {
+             require(threads.size() == intermediates.size() && cpus.size() == intermediates.size(),
+                     "intermediates, threads and cpus need one entry per subpool");
+             std::vector<kt::MoESubpools::Subpool> subpools;
+             int intermediate = 0;
+             for (size_t i = 0; i < intermediates.size(); ++i) {
+               subpools.push_back({intermediates[i], threads[i], cpus[i]});
+               intermediate += intermediates[i];
+             }
+             new (self) kt::MoESubpools({num_experts, top_k, hidden, intermediate}, parse_format(method), subpools,
+                                        skip_experts);
+           },
+           nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("method"), nb::arg("intermediates"),
+           nb::arg("threads"), nb::arg("cpus"), nb::arg("skip_experts"),
+           "Subpool i: an engine of intermediates[i] rows of I (consecutive slices), threads[i] threads pinned to "
+           "cpus[i] (empty: not pinned).")
+      .def("__len__", &kt::MoESubpools::size)
+      .def("engine", &kt::MoESubpools::engine, nb::rv_policy::reference_internal,
+           "Subpool i's engine, to load its slice of the weights.")
+      .def("submit", &submit<kt::MoESubpools>, nb::call_guard<nb::gil_scoped_release>(),
+           "Start a forward on every subpool; hidden and out must stay alive until sync().")
+      .def("sync", &kt::MoESubpools::sync, nb::call_guard<nb::gil_scoped_release>(),
+           "Wait for every subpool, then sum their partial outputs into out.")
+      .def("release_scratch", &kt::MoESubpools::release_scratch)
+      .def_prop_ro("pending", &kt::MoESubpools::pending);
 }

@@ -17,8 +17,6 @@ namespace {
 // one expert over many threads in decode, large enough to reuse activations in prefill.
 constexpr int kBlockGroups = 4;
 constexpr int kBlockCols = kBlockGroups * kGroupRows;
-// Calls of at most this many multiply-adds (tens of microseconds on one core) run on the caller.
-constexpr double kInlineMultiplyAdds = 2e6;
 
 // exp(x) as 2^n * 2^f, f in [0, 1) by a degree-6 polynomial (relative error ~1e-7): written so
 // the compiler vectorizes the SwiGLU loop with the variant's ISA.
@@ -159,12 +157,40 @@ double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjecti
   return seconds / repeats;
 }
 
-MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts)
+namespace {
+
+// Up to this many outputs the subpools' partials are summed on the calling thread (tens of
+// microseconds); above, every subpool's threads sum a share.
+constexpr size_t kInlineReduceValues = size_t(1) << 16;
+// A share is a multiple of 32 outputs: 64 bytes of bf16, so no two threads write one cache line.
+constexpr size_t kReduceUnit = 32;
+
+// out[i] = bf16(sum_p parts[p][i]) for i in [begin, end), summed in fp32 in the order given.
+void sum_to_bf16(const std::vector<AlignedBuffer<float>>& parts, size_t begin, size_t end, bf16_t* out) {
+  // In chunks, so the running sum stays in L1 while each part streams through once.
+  constexpr size_t kChunk = 1024;
+  float sum[kChunk];
+  for (size_t first = begin; first < end; first += kChunk) {
+    const size_t n = std::min(kChunk, end - first);
+    std::memcpy(sum, parts[0].data() + first, n * sizeof(float));
+    for (size_t p = 1; p < parts.size(); ++p) {
+      const float* part = parts[p].data() + first;
+      for (size_t i = 0; i < n; ++i) sum[i] += part[i];
+    }
+    for (size_t i = 0; i < n; ++i) out[first + i] = float_to_bf16(sum[i]);
+  }
+}
+
+}  // namespace
+
+MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts,
+                     const EngineOptions& options)
     : shape_(shape),
       format_(format),
+      inline_multiply_adds_(options.inline_multiply_adds),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
-      pool_((require(threads >= 1, "cpuinfer_threads must be >= 1"), threads)) {
+      pool_((require(threads >= 1, "cpuinfer_threads must be >= 1"), threads), options.cpus) {
   require(shape.num_experts >= 1, "num_experts must be >= 1");
   require(shape.top_k >= 1 && shape.top_k <= shape.num_experts,
           "num_experts_per_tok must be in [1, num_experts]");
@@ -221,6 +247,15 @@ void MoEEngine::gemm(const Activations& x, const PackedGroups& w, float* y, size
 
 void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
                        bf16_t* out) {
+  start(hidden, tokens, ids, weights, out, nullptr);
+}
+
+void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, float* out) {
+  start(hidden, tokens, ids, weights, nullptr, out);
+}
+
+void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out,
+                      float* out_f32) {
   if (!loaded_) throw std::logic_error("weights are not loaded");
   if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
   require(tokens >= 1, "the engine needs at least one token");
@@ -276,6 +311,7 @@ void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, con
 
   hidden_in_ = hidden;
   out_ = out;
+  out_f32_ = out_f32;
   tokens_ = tokens;
   gate_up_tasks_ = int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), kBlockGroups);
   down_tasks_ = ceil_div(packed_groups(shape_.hidden), kBlockGroups);
@@ -284,7 +320,7 @@ void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, con
   pending_ = true;
   // A tiny problem is done right here: handing it to the pool and waking this thread again would
   // cost more than the work.
-  ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= kInlineMultiplyAdds;
+  ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= inline_multiply_adds_;
   if (ran_inline_)
     forward_worker(0, 1, [] {});
   else
@@ -304,6 +340,11 @@ void MoEEngine::release_scratch() {
   hidden_q_ = QuantizedBuffer{};
   activation_q_ = QuantizedBuffer{};
   for (ThreadScratch& s : scratch_) s = ThreadScratch{};
+}
+
+std::vector<std::vector<int>> MoEEngine::worker_cpus() {
+  if (pending_) throw std::logic_error("cannot query the workers while a forward is in flight");
+  return pool_.worker_cpus();
 }
 
 // One worker's part of the call: copy tokens in, gate/up tasks, down tasks, phases separated by
@@ -351,7 +392,8 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
 }
 
 // One block of output columns for every token: down projections of all active experts, weighted
-// and summed in fp32, written once as bf16. Tasks own disjoint columns, so no atomics are needed.
+// and summed in fp32, written once (bf16, or fp32 for a subpool's partial). Tasks own disjoint
+// columns, so no atomics are needed.
 void MoEEngine::down_task(int block, ThreadScratch& s) {
   const int H = shape_.hidden;
   const int g0 = block * kBlockGroups, block_groups = std::min(kBlockGroups, packed_groups(H) - g0);
@@ -372,11 +414,88 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
     }
   }
   const int col0 = g0 * kGroupRows, cols = std::min(block_cols, H - col0);
+  if (out_f32_ != nullptr) {
+    for (int t = 0; t < tokens_; ++t)
+      std::memcpy(out_f32_ + size_t(t) * H + col0, acc + size_t(t) * kBlockCols, cols * sizeof(float));
+    return;
+  }
   for (int t = 0; t < tokens_; ++t) {
     bf16_t* dst = out_ + size_t(t) * H + col0;
     const float* src = acc + size_t(t) * kBlockCols;
     for (int c = 0; c < cols; ++c) dst[c] = float_to_bf16(src[c]);
   }
+}
+
+MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const std::vector<Subpool>& subpools,
+                         const std::vector<int>& skip_experts)
+    : partials_(subpools.size()), hidden_(shape.hidden) {
+  require(!subpools.empty(), "threadpool_count must be >= 1");
+  int total = 0;
+  for (const Subpool& subpool : subpools) total += subpool.intermediate;
+  require(total == shape.intermediate, "the subpools' slices must add up to moe_intermediate_size");
+  for (const Subpool& subpool : subpools) {
+    MoEShape slice = shape;
+    slice.intermediate = subpool.intermediate;
+    // Each gets its share of the inline threshold: the whole layer's work decides, for all alike.
+    const EngineOptions options{subpool.cpus, kInlineMultiplyAdds * subpool.intermediate / shape.intermediate};
+    engines_.push_back(std::make_unique<MoEEngine>(slice, format, subpool.threads, skip_experts, options));
+  }
+}
+
+MoEEngine& MoESubpools::engine(int index) {
+  if (index < 0 || index >= size()) throw std::out_of_range("no such subpool");
+  return *engines_[index];
+}
+
+void MoESubpools::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
+                         bf16_t* out) {
+  if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
+  if (size() == 1) {
+    engines_[0]->submit(hidden, tokens, ids, weights, out);
+  } else {
+    const size_t count = size_t(std::max(tokens, 0)) * hidden_;
+    for (AlignedBuffer<float>& partial : partials_) partial.reserve(count);
+    int started = 0;
+    try {
+      for (; started < size(); ++started)
+        engines_[started]->submit(hidden, tokens, ids, weights, partials_[started].data());
+    } catch (...) {
+      for (int i = 0; i < started; ++i) engines_[i]->sync();
+      throw;
+    }
+    out_count_ = count;
+  }
+  out_ = out;
+  pending_ = true;
+}
+
+void MoESubpools::sync() {
+  if (!pending_) throw std::logic_error("sync without a submitted forward");
+  pending_ = false;
+  for (std::unique_ptr<MoEEngine>& engine : engines_) engine->sync();
+  if (size() == 1) return;
+  if (out_count_ <= kInlineReduceValues) return sum_to_bf16(partials_, 0, out_count_, out_);
+  // Global worker g of `workers` (all subpools' threads, just back from the forward and still
+  // spinning, so waking them is cheap) sums units [g * units / workers, (g + 1) * units / workers).
+  int workers = 0;
+  for (std::unique_ptr<MoEEngine>& engine : engines_) workers += engine->pool().size();
+  const size_t units = (out_count_ + kReduceUnit - 1) / kReduceUnit;
+  int first_worker = 0;
+  for (std::unique_ptr<MoEEngine>& engine : engines_) {
+    engine->pool().start([this, first_worker, workers, units](int worker) {
+      const size_t g = size_t(first_worker + worker);
+      const size_t begin = g * units / workers * kReduceUnit, end = (g + 1) * units / workers * kReduceUnit;
+      sum_to_bf16(partials_, begin, std::min(end, out_count_), out_);
+    });
+    first_worker += engine->pool().size();
+  }
+  for (std::unique_ptr<MoEEngine>& engine : engines_) engine->pool().wait();
+}
+
+void MoESubpools::release_scratch() {
+  if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
+  for (std::unique_ptr<MoEEngine>& engine : engines_) engine->release_scratch();
+  for (AlignedBuffer<float>& partial : partials_) partial.release();
 }
 
 KT_NAMESPACE_END

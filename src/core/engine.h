@@ -70,10 +70,20 @@ struct QuantizedBuffer {
 double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
               int repeats = 1);
 
+// Calls of at most this many multiply-adds (tens of microseconds on one core) run on the caller.
+constexpr double kInlineMultiplyAdds = 2e6;
+
+struct EngineOptions {
+  std::vector<int> cpus;  // the workers pin themselves to these CPUs (a NUMA node's); empty: no pinning
+  // A subpool of a split layer gets its share of the threshold, so the whole layer's work decides.
+  double inline_multiply_adds = kInlineMultiplyAdds;
+};
+
 class MoEEngine {
  public:
   // skip_experts: ids computed elsewhere (GPU-resident); their routing entries are ignored.
-  MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts);
+  MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts,
+            const EngineOptions& options = {});
   ~MoEEngine();
 
   // gate, up: [num_sources, intermediate, hidden]; down: [num_sources, hidden, intermediate], in
@@ -84,18 +94,26 @@ class MoEEngine {
 
   // Starts a forward over `tokens` rows and returns at once (a tiny one is computed right away).
   // Routing is read (and checked) here; hidden (bf16 [tokens, hidden]) and out (bf16 [tokens,
-  // hidden]) must stay valid until sync().
+  // hidden]) must stay valid until sync(). An fp32 `out` gets the sums before rounding (a subpool's
+  // partial output, see MoESubpools).
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
+  void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, float* out);
   void sync();
   bool pending() const { return pending_; }
   // Frees the per-call scratch buffers (they grow back on the next call).
   void release_scratch();
+  // The CPUs each worker thread may run on, read back from the kernel by the worker itself.
+  std::vector<std::vector<int>> worker_cpus();
+  // The engine's threads, for work on its CPUs between forwards (the subpools' reduction).
+  ThreadPool& pool() { return pool_; }
 
  private:
   struct ThreadScratch {
     AlignedBuffer<float> gate, up, acc, down;
   };
 
+  void start(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out,
+             float* out_f32);
   template <typename Barrier>
   void forward_worker(int worker, int workers, Barrier barrier);
   void gate_up_task(int task, ThreadScratch& scratch);
@@ -105,6 +123,7 @@ class MoEEngine {
 
   const MoEShape shape_;
   const WeightFormat format_;
+  const double inline_multiply_adds_;
   std::vector<uint8_t> skip_;
   bool loaded_ = false;
   bool pending_ = false;
@@ -114,7 +133,8 @@ class MoEEngine {
 
   // State of the call in flight.
   const bf16_t* hidden_in_ = nullptr;
-  bf16_t* out_ = nullptr;
+  bf16_t* out_ = nullptr;       // one of these two is set
+  float* out_f32_ = nullptr;
   int tokens_ = 0;
   std::vector<int> active_experts_;      // experts with work, in id order
   std::vector<int> route_offset_;        // per active expert: first routed row; last = total rows
@@ -129,6 +149,41 @@ class MoEEngine {
   int gate_up_tasks_ = 0, down_tasks_ = 0;
 
   ThreadPool pool_;
+};
+
+// The subpools of one layer (upstream's threadpool_count): one engine per contiguous slice of the
+// intermediate dimension, each with its own threads (pinned to a NUMA node's CPUs if asked). They
+// run concurrently; their fp32 partial outputs are summed in subpool order and rounded to bf16
+// once, in sync(). One subpool writes bf16 directly.
+class MoESubpools {
+ public:
+  struct Subpool {
+    int intermediate;       // the slice's size
+    int threads;
+    std::vector<int> cpus;  // empty: not pinned
+  };
+  // shape.intermediate is the whole layer's; the slices must add up to it.
+  MoESubpools(MoEShape shape, WeightFormat format, const std::vector<Subpool>& subpools,
+              const std::vector<int>& skip_experts);
+  MoESubpools(const MoESubpools&) = delete;
+  MoESubpools& operator=(const MoESubpools&) = delete;
+
+  int size() const { return int(engines_.size()); }
+  MoEEngine& engine(int index);  // for loading its slice of the weights
+  // As MoEEngine::submit / sync, for the whole layer.
+  void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
+  void sync();
+  bool pending() const { return pending_; }
+  void release_scratch();
+
+ private:
+  // Declared first so it is destroyed last: an engine's destructor waits for a forward in flight.
+  std::vector<AlignedBuffer<float>> partials_;  // per subpool [tokens, hidden], first touched by its threads
+  std::vector<std::unique_ptr<MoEEngine>> engines_;
+  const int hidden_;
+  bf16_t* out_ = nullptr;
+  size_t out_count_ = 0;
+  bool pending_ = false;
 };
 
 KT_NAMESPACE_END

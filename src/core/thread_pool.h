@@ -1,6 +1,7 @@
 // A fixed set of worker threads that run one job at a time: job(worker_index) on every worker.
 // start() returns at once (that is what makes submit_forward asynchronous); wait() blocks until
-// every worker has finished. Inside a job, barrier() separates phases.
+// every worker has finished. Inside a job, barrier() separates phases. Optionally every worker
+// pins itself to a set of CPUs (a NUMA node's) before it runs anything else.
 #pragma once
 
 #include <atomic>
@@ -16,7 +17,9 @@ KT_NAMESPACE_BEGIN
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);
+  // cpus: the CPUs each worker may run on (empty: no pinning). Throws std::system_error when
+  // the kernel refuses the set.
+  explicit ThreadPool(int threads, const std::vector<int>& cpus = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -30,9 +33,13 @@ class ThreadPool {
     wait();
   }
   void barrier();
+  // Each worker's allowed CPUs as the kernel reports them, read by the worker itself
+  // (sched_getaffinity). Runs a job: not while another one is in flight.
+  std::vector<std::vector<int>> worker_cpus();
 
  private:
   void worker_main(int index);
+  void stop();
 
   std::vector<std::thread> workers_;
   std::function<void(int)> job_;

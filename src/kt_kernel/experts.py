@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, quant
+from . import checkpoint, numa, quant
 from ._native import ext
 
 #: Formats the engine runs today.
@@ -45,13 +46,66 @@ def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], mean
         raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(tensor.shape)}")
 
 
+def intermediate_granularity(weight_format: str, intermediate: int) -> int:
+    """The multiple at which the intermediate dimension I may be cut between subpools.
+
+    A subpool's slice of I is the input dimension of its down projection, so a cut must not split
+    a scale: MXFP4 scales cover blocks of 32 inputs, INT4 scales groups of G. For INT4 the
+    multiple is the largest of 128, 64, 32 dividing I: the group size quantize-on-load uses, and
+    a multiple of every group size a down scale can have for this I (they are powers of two that
+    divide I). BF16 and INT8 have no blocks along I and could be cut anywhere; 16 is the rows of
+    one packed weight group (kGroupRows): gate/up pack each slice's rows in groups of 16, so a cut
+    off a multiple of 16 would leave a zero-padded, wasted group in two subpools.
+    """
+    if weight_format == "MXFP4":
+        return quant.MXFP4_BLOCK
+    if weight_format == "INT4":
+        return quant.int4_group_size(intermediate)
+    return 16
+
+
+def split_intermediate(intermediate: int, count: int, granularity: int) -> list[tuple[int, int]]:
+    """``count`` contiguous slices ``[start, stop)`` of ``range(intermediate)``, as even as cuts at
+    multiples of ``granularity`` allow; ValueError when some slice would be empty."""
+    cuts = [(2 * j * intermediate + count * granularity) // (2 * count * granularity) * granularity
+            for j in range(1, count)]  # fmt: skip
+    bounds = [0, *cuts, intermediate]
+    slices = list(zip(bounds[:-1], bounds[1:], strict=True))
+    if any(start >= stop for start, stop in slices):
+        raise ValueError(
+            f"moe_intermediate_size={intermediate} cannot be split into {count} non-empty subpool slices "
+            f"cut at multiples of {granularity}: use a smaller threadpool_count"
+        )
+    return slices
+
+
+@dataclass
+class _Subpool:
+    """One engine with its own threads, owning intermediate rows [start, stop) of every expert."""
+
+    engine: Any  # ext.MoEEngine, owned by the wrapper's ext.MoESubpools
+    start: int
+    stop: int
+    threads: int
+    numa_node: int | None
+    cpus: list[int] | None
+
+
 class KTMoEWrapper:
     """Routed experts of one MoE layer, computed on the CPU.
 
     ``forward`` returns ``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
     with ``e = topk_ids[t,k]``; id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
     Keyword names follow upstream kt-kernel. ``cuda_stream`` is accepted and unused (CPU only);
-    ``cpu_save`` and ``numa_nodes`` are accepted and stored.
+    ``cpu_save`` is accepted and stored.
+
+    ``threadpool_count`` > 1 splits the layer into that many subpools, each with its share of
+    ``cpuinfer_threads`` and a contiguous slice of the intermediate dimension of every expert
+    (gate/up rows and down columns); their fp32 partial outputs are summed and rounded to bf16
+    once. ``numa_nodes[i]`` pins subpool i's threads to that NUMA node's CPUs (its weight slice is
+    first touched, so placed, by those threads); without it, subpool i is pinned to the i-th node
+    when the machine has ``threadpool_count`` > 1 nodes, and nothing is pinned otherwise.
+    ``subpools`` says what was done; ``worker_cpus()`` reads the threads' CPU sets back.
     """
 
     _capture_batch_sizes: ClassVar[list[int]] = []
@@ -85,8 +139,11 @@ class KTMoEWrapper:
         self.moe_intermediate_size = _require_int("moe_intermediate_size", moe_intermediate_size, 1)
         self.cpuinfer_threads = _require_int("cpuinfer_threads", cpuinfer_threads, 1)
         self.threadpool_count = _require_int("threadpool_count", threadpool_count, 1)
-        if threadpool_count > 1:
-            raise NotImplementedError("threadpool_count > 1 (NUMA subpools) is not supported yet; pass 1")
+        if threadpool_count > cpuinfer_threads:
+            raise ValueError(
+                f"threadpool_count ({threadpool_count}) cannot exceed cpuinfer_threads ({cpuinfer_threads}): "
+                "each subpool needs a thread"
+            )
         self.chunked_prefill_size = _require_int("chunked_prefill_size", chunked_prefill_size, 1)
         if max_deferred_experts_per_token is not None and max_deferred_experts_per_token > 0:
             raise NotImplementedError(
@@ -97,15 +154,8 @@ class KTMoEWrapper:
         self.cpu_save = bool(cpu_save)
         self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
         self.gpu_experts_mask = self._check_gpu_mask(gpu_experts_mask)
-        skip = torch.nonzero(self.gpu_experts_mask).flatten().tolist()
-        self._engine = ext.MoEEngine(
-            num_experts,
-            num_experts_per_tok,
-            hidden_size,
-            moe_intermediate_size,
-            self.method,
-            cpuinfer_threads,
-            skip,
+        self._layer, self._subpools = self._make_subpools(
+            torch.nonzero(self.gpu_experts_mask).flatten().tolist()
         )
         self._loaded = False
         self._in_flight: tuple[torch.Tensor, ...] | None = None
@@ -127,6 +177,48 @@ class KTMoEWrapper:
         if weight_format == "INT8" and max(self.hidden_size, self.moe_intermediate_size) > INT8_MAX_K:
             raise ValueError(f"INT8 needs hidden_size and moe_intermediate_size <= {INT8_MAX_K}")
         return weight_format
+
+    def _make_subpools(self, skip: list[int]) -> tuple[Any, list[_Subpool]]:
+        """The engines (one per subpool, ext.MoESubpools) and what each was given."""
+        count, inter, threads = self.threadpool_count, self.moe_intermediate_size, self.cpuinfer_threads
+        slices = split_intermediate(inter, count, intermediate_granularity(self.method, inter))
+        pins = numa.plan_pinning(count, self.numa_nodes, numa.discover_nodes(), numa.allowed_cpus())
+        shares = [threads // count + (i < threads % count) for i in range(count)]
+        layer = ext.MoESubpools(
+            self.num_experts,
+            self.num_experts_per_tok,
+            self.hidden_size,
+            self.method,
+            [stop - start for start, stop in slices],
+            shares,
+            [[] if pin is None else pin[1] for pin in pins],
+            skip,
+        )
+        subpools = [
+            _Subpool(layer.engine(i), start, stop, share, *(pin if pin is not None else (None, None)))
+            for i, ((start, stop), share, pin) in enumerate(zip(slices, shares, pins, strict=True))
+        ]
+        return layer, subpools
+
+    @property
+    def subpools(self) -> list[dict[str, Any]]:
+        """Each subpool: ``threads``, its ``intermediate`` slice (start, stop), the ``numa_node``
+        it is pinned to and the ``cpus`` its threads were pinned to (both None: not pinned)."""
+        return [
+            {
+                "threads": sp.threads,
+                "intermediate": (sp.start, sp.stop),
+                "numa_node": sp.numa_node,
+                "cpus": None if sp.cpus is None else list(sp.cpus),
+            }
+            for sp in self._subpools
+        ]
+
+    def worker_cpus(self) -> list[list[list[int]]]:
+        """Per subpool, per worker thread: the CPUs the kernel lets that thread run on, read by the
+        thread itself (sched_getaffinity), so pinning can be checked."""
+        self._require_idle("query the worker threads")
+        return [sp.engine.worker_cpus() for sp in self._subpools]
 
     def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
         if mask is None:
@@ -158,8 +250,9 @@ class KTMoEWrapper:
         method's canonical layout, taken bit-exactly (N x K = I x H for gate/up, H x I for down):
         MXFP4 E2M1 codes [E, N, K/2] (uint8, or int8 viewed as uint8) and E8M0 scales [E, N, K/32]
         (uint8 or float8_e8m0fnu); INT8 int8 [E, N, K] and float32/bf16 scales [E, N]; INT4 uint8
-        (or int8) [E, N, K/2] and float32/bf16 scales [E, N, K/G], G in {32, 64, 128}. physical_to_logical_map_cpu[p] is the expert (first dim of the tensors)
-        whose weights physical slot p holds; topk_ids name physical slots. Default: identity.
+        (or int8) [E, N, K/2] and float32/bf16 scales [E, N, K/G], G in {32, 64, 128}.
+        physical_to_logical_map_cpu[p] is the expert (first dim of the tensors) whose weights
+        physical slot p holds; topk_ids name physical slots. Default: identity.
         Nothing refers to the given tensors after this returns.
         """
         self._require_idle("load weights")
@@ -177,25 +270,57 @@ class KTMoEWrapper:
         sources = gate_proj.shape[0]
         slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
         if given and self.method == "MXFP4":
-            self._engine.load_mxfp4(*self._canonical_mxfp4(weights, scales, sources), slot_map)
+            canonical = self._canonical_mxfp4(weights, scales, sources)
         elif given:
-            self._engine.load_integer(*self._canonical_integer(weights, scales, sources), slot_map, self.method)
+            canonical = self._canonical_integer(weights, scales, sources)
         else:
             for name, tensor in weights.items():
                 if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
                     raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
                 _require_shape(name, tensor, *self._projection_shape(name, sources, 1))
             if self.method == "BF16":
-                self._engine.load_bf16(
-                    *(w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()), slot_map
-                )
+                canonical = [w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()]
             else:
-                quantized = [t for w in weights.values() for t in _quantize_per_expert(self.method, w)]
-                if self.method == "MXFP4":
-                    self._engine.load_mxfp4(*quantized, slot_map)
-                else:
-                    self._engine.load_integer(*self._engine_integer_layout(quantized), slot_map, self.method)
+                canonical = [t for w in weights.values() for t in _quantize_per_expert(self.method, w)]
+                if self.method != "MXFP4":
+                    canonical = self._engine_integer_layout(canonical)
+        # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
+        # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
+        self._loaded = False
+        for sp in self._subpools:
+            tensors = self._slice_intermediate(canonical, sp.start, sp.stop)
+            if self.method == "BF16":
+                sp.engine.load_bf16(*tensors, slot_map)
+            elif self.method == "MXFP4":
+                sp.engine.load_mxfp4(*tensors, slot_map)
+            else:
+                sp.engine.load_integer(*tensors, slot_map, self.method)
         self._loaded = True
+
+    def _slice_intermediate(self, tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
+        """The engine-layout tensors (gate, [gate_scale,] up, [up_scale,] down[, down_scale]) of
+        intermediate rows [start, stop): gate/up rows (and their scales), down columns. A down
+        scale is per block of inputs (MXFP4, INT4: sliced by block) or per output row (INT8:
+        shared by every slice)."""
+        inter = self.moe_intermediate_size
+        if (start, stop) == (0, inter):
+            return tensors
+        if self.method == "BF16":
+            gate, up, down = tensors
+            return [t[:, start:stop].contiguous() for t in (gate, up)] + [down[..., start:stop].contiguous()]
+        gate, gate_scale, up, up_scale, down, down_scale = tensors
+        per_byte = 1 if self.method == "INT8" else 2  # MXFP4 and INT4 hold two inputs per byte
+
+        def columns(tensor: torch.Tensor, unit: int) -> torch.Tensor:
+            return tensor[..., start // unit : stop // unit].contiguous()
+
+        if self.method != "INT8":
+            down_scale = columns(down_scale, inter // down_scale.shape[2])
+        return [
+            *(t[:, start:stop].contiguous() for t in (gate, gate_scale, up, up_scale)),
+            columns(down, per_byte),
+            down_scale,
+        ]
 
     def _projection_shape(self, name: str, sources: int, k_divisor: int) -> tuple[tuple[int, ...], str]:
         """The shape of a projection's tensor whose last (input) dim is divided by k_divisor."""
@@ -343,8 +468,8 @@ class KTMoEWrapper:
         x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
         out = torch.empty_like(x)
         if x.shape[0] > 0:
-            self._engine.submit(x.view(torch.int16), ids, weights, out.view(torch.int16))
-        self._in_flight = (x, ids, weights, out)  # the engine reads / writes these until sync
+            self._layer.submit(x.view(torch.int16), ids, weights, out.view(torch.int16))
+        self._in_flight = (x, ids, weights, out)  # the engines read / write these until sync
 
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None
@@ -355,7 +480,7 @@ class KTMoEWrapper:
         x, _, _, out = self._in_flight
         try:
             if x.shape[0] > 0:
-                self._engine.sync()
+                self._layer.sync()  # with subpools: also sums their partial outputs into out
         finally:
             self._in_flight = None
         return out
@@ -405,12 +530,12 @@ class KTMoEWrapper:
         """Free the per-call scratch buffers of every idle wrapper (they grow back on demand)."""
         for wrapper in list(cls._instances):
             if wrapper._in_flight is None:
-                wrapper._engine.release_scratch()
+                wrapper._layer.release_scratch()
 
     def __repr__(self) -> str:
         return (
             f"KTMoEWrapper(layer_idx={self.layer_idx}, num_experts={self.num_experts}, "
             f"num_experts_per_tok={self.num_experts_per_tok}, hidden_size={self.hidden_size}, "
             f"moe_intermediate_size={self.moe_intermediate_size}, method={self.method!r}, "
-            f"cpuinfer_threads={self.cpuinfer_threads})"
+            f"cpuinfer_threads={self.cpuinfer_threads}, threadpool_count={self.threadpool_count})"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from . import numa
 from ._native import build, ext
 from .loader import REQUIRED_FLAGS, VARIANTS
 
@@ -16,7 +17,8 @@ def builds_present() -> list[str]:
 
 
 def cpu_info() -> dict[str, Any]:
-    """A dict describing the choice of build: flags, builds present, choice, reason, override."""
+    """A dict describing the choice of build (flags, builds present, choice, reason, override) and
+    the machine's NUMA nodes with their CPUs (``numa_nodes``; {} where the kernel reports none)."""
     relevant = sorted({flag for flags in REQUIRED_FLAGS.values() for flag in flags})
     return {
         "flags_source": build.cpuinfo_source,
@@ -30,6 +32,8 @@ def cpu_info() -> dict[str, Any]:
         "fallbacks": list(build.fallbacks),
         "kernels": dict(ext.kernel_info()),
         "module_file": getattr(ext, "__file__", None),
+        "numa_nodes": numa.discover_nodes(),
+        "allowed_cpus": sorted(numa.allowed_cpus()),
     }
 
 
@@ -49,8 +53,18 @@ def format_cpu_info(info: dict[str, Any]) -> str:
         f"flags missing     : {flag_list(info['flags'], False)}",
         f"CPUID confirms    : {flag_list(info['cpuid'], True)}",
         f"bf16 kernel path  : {info['kernels']['bf16_path']}",
+        f"NUMA nodes        : {format_numa_nodes(info['numa_nodes'])}",
+        f"CPUs allowed here : {numa.format_cpulist(info['allowed_cpus'])}",
     ]
     if info["selected"] != info["variant"]:
         lines.insert(2, f"selected first    : {info['selected']} (failed to load, fell back)")
     lines += [f"fallback          : {line}" for line in info["fallbacks"]]
     return "\n".join(lines)
+
+
+def format_numa_nodes(nodes: dict[int, list[int]]) -> str:
+    """``{0: [0, 1], 1: [2, 3]}`` -> ``"2 (node 0: CPUs 0-1; node 1: CPUs 2-3)"``."""
+    if not nodes:
+        return f"none reported (no {numa.SYSFS_ROOT / numa.NODE_DIR})"
+    listed = "; ".join(f"node {node}: CPUs {numa.format_cpulist(cpus)}" for node, cpus in nodes.items())
+    return f"{len(nodes)} ({listed})"
