@@ -62,13 +62,21 @@ def inputs(tokens: int = 3):
         ({"max_deferred_experts_per_token": 2}, NotImplementedError, "deferred experts are not supported"),
         ({"threadpool_count": 3}, ValueError, r"threadpool_count \(3\) cannot exceed cpuinfer_threads"),
         ({"threadpool_count": 2, "numa_nodes": [0, 4099]}, ValueError, "NUMA node 4099"),
-        ({"method": "AMXINT4"}, NotImplementedError, "INT4 weights\\) is not implemented yet"),
+        (
+            {"method": "AMXINT4"},
+            ValueError,
+            "INT4 needs hidden_size and moe_intermediate_size to be multiples of 32",
+        ),
         (
             {"method": "mxfp4"},
             ValueError,
             "MXFP4 needs hidden_size and moe_intermediate_size to be multiples of 32",
         ),
-        ({"method": "INT8"}, NotImplementedError, "INT8 weights\\) is not implemented yet"),
+        (
+            {"method": "INT8", "hidden_size": 65537},
+            ValueError,
+            "INT8 needs hidden_size and moe_intermediate_size <= 65536",
+        ),
     ],
 )
 def test_bad_construction(overrides, error, match):
