@@ -25,7 +25,9 @@ struct Vec {
 };
 
 // Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'
-// matching bytes sign-extended: the exact u8 x s8 quad sum without saturation.
+// matching values as int16: the exact u8 x s8 quad sum without saturation. The activation rows are
+// widened once per GEMM call (widen_pairs) so that each quad's two int16 pairs are broadcast
+// straight from memory.
 struct MaddwdDot {
   struct Weights {
     __m256i even, odd;
@@ -34,33 +36,57 @@ struct MaddwdDot {
   static Weights weights(__m256i line) {
     return {_mm256_and_si256(line, _mm256_set1_epi16(0x00FF)), _mm256_srli_epi16(line, 8)};
   }
-  static Act activation(int32_t quad) {
-    const __m256i q = _mm256_set1_epi32(quad);
-    return {_mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8), _mm256_srai_epi16(q, 8)};
+  // `values` is a row widened by widen_pairs: quad j = int16 {x[4j], x[4j+2]}, {x[4j+1], x[4j+3]}.
+  static Act activation(const int8_t* values, int j) {
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(values) + 2 * j;
+    return {_mm256_set1_epi32(pairs[0]), _mm256_set1_epi32(pairs[1])};
   }
   static __m256i dot(__m256i acc, const Weights& w, const Act& a) {
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w.even, a.even), _mm256_madd_epi16(w.odd, a.odd)));
   }
 };
 
-// Weights 0..15 (INT4): vpmaddubsw cannot saturate (2 * 15 * 127 < 2^15), vpmaddwd by 1 widens.
+// Weights 0..15 (INT4): two vpmaddubsw summed in 16 bits cannot saturate (4 * 15 * 127 < 2^15);
+// vpmaddwd by 1 widens.
 struct MaddubsDot {
   using Weights = __m256i;
   using Act = __m256i;
   static Weights weights(__m256i line) { return line; }
-  static Act activation(int32_t quad) { return _mm256_set1_epi32(quad); }
-  static __m256i dot(__m256i acc, Weights w, Act a) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
+  static Act activation(const int8_t* values, int j) { return _mm256_set1_epi32(load_int8_quad(values + 4 * j)); }
+  static __m256i dot2(__m256i acc, Weights w1, Act a1, Weights w2, Act a2) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w1, a1), _mm256_maddubs_epi16(w2, a2));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
 };
 
 // One group (two ymm) per tile: 16 registers do not hold more.
-constexpr int kInt8Rows = 3, kInt4Rows = 2;
+constexpr int kInt8Rows = 4, kInt4Rows = 2;
+
+// The rows of x as MaddwdDot reads them, in a thread-local buffer that only grows.
+const int16_t* widen_pairs(const Activations& x, int k) {
+  thread_local AlignedBuffer<int16_t> widened;
+  const int row_elems = round_up(k, 4);
+  widened.reserve(size_t(x.rows) * row_elems);
+  for (int i = 0; i < x.rows; ++i) {
+    const int8_t* src = x.quantized_row(i).values;
+    int16_t* dst = widened.data() + size_t(i) * row_elems;
+    for (int c = 0; c < row_elems; c += 4)
+      dst[c] = src[c], dst[c + 1] = src[c + 2], dst[c + 2] = src[c + 1], dst[c + 3] = src[c + 3];
+  }
+  return widened.data();
+}
 
 }  // namespace
 
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<IntTiles<Vec, MaddwdDot>::Int8, kInt8Rows, 1>(x, w, y, y_stride);
+  const int16_t* widened = widen_pairs(x, w.k);
+  gemm_tiled<IntTiles<Vec, MaddwdDot>::Int8, kInt8Rows, 1, QuantizedRow>(
+      [&](int i) {
+        QuantizedRow row = x.quantized_row(i);
+        row.values = reinterpret_cast<const int8_t*>(widened + size_t(i) * round_up(w.k, 4));
+        return row;
+      },
+      x.rows, w, y, y_stride);
 }
 
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

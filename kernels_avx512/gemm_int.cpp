@@ -18,8 +18,8 @@ struct MaddwdDot {
   static Weights weights(__m512i line) {
     return {_mm512_and_si512(line, _mm512_set1_epi16(0x00FF)), _mm512_srli_epi16(line, 8)};
   }
-  static Act activation(int32_t quad) {
-    const __m512i q = _mm512_set1_epi32(quad);
+  static Act activation(const int8_t* values, int j) {
+    const __m512i q = _mm512_set1_epi32(load_int8_quad(values + 4 * j));
     return {_mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), _mm512_srai_epi16(q, 8)};
   }
   static __m512i dot(__m512i acc, const Weights& w, const Act& a) {
@@ -27,14 +27,16 @@ struct MaddwdDot {
   }
 };
 
-// Weights 0..15 (INT4): vpmaddubsw cannot saturate (2 * 15 * 127 < 2^15), vpmaddwd by 1 widens.
+// Weights 0..15 (INT4): two vpmaddubsw summed in 16 bits cannot saturate (4 * 15 * 127 < 2^15);
+// vpmaddwd by 1 widens.
 struct MaddubsDot {
   using Weights = __m512i;
   using Act = __m512i;
   static Weights weights(__m512i line) { return line; }
-  static Act activation(int32_t quad) { return _mm512_set1_epi32(quad); }
-  static __m512i dot(__m512i acc, Weights w, Act a) {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, a), _mm512_set1_epi16(1)));
+  static Act activation(const int8_t* values, int j) { return _mm512_set1_epi32(load_int8_quad(values + 4 * j)); }
+  static __m512i dot2(__m512i acc, Weights w1, Act a1, Weights w2, Act a2) {
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(w1, a1), _mm512_maddubs_epi16(w2, a2));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
   }
 };
 

@@ -4,8 +4,10 @@
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
 // sub_epi32, to_float, fmadd, mul, storeu_ps.
-// Dot provides: Weights weights(V::Int line), Act activation(int32_t quad),
-// V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per 32-bit lane sum of 4 u8 x s8.
+// Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
+// activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
+// 32-bit lane sum of 4 u8 x s8; for INT4 also dot2(acc, w1, a1, w2, a2) = dot(dot(acc, w1, a1), w2, a2)
+// (weights 0..15 let vpmaddubsw sum both quads before widening).
 #pragma once
 
 #include "gemm_tiles.h"
@@ -44,7 +46,7 @@ struct IntTiles {
           wv[v] = Dot::weights(V::load(line(w, v, j)));
         }
         for (int i = 0; i < M; ++i) {
-          const typename Dot::Act a = Dot::activation(load_int8_quad(x[i].values + 4 * j));
+          const typename Dot::Act a = Dot::activation(x[i].values, j);
           for (int v = 0; v < kVecs; ++v) acc[i][v] = Dot::dot(acc[i][v], wv[v], a);
         }
       }
@@ -82,9 +84,9 @@ struct IntTiles {
             high[v] = Dot::weights(V::and_(V::srli_epi32(raw, 4), low_nibbles));
           }
           for (int i = 0; i < M; ++i) {
-            const typename Dot::Act a_low = Dot::activation(load_int8_quad(x[i].values + 8 * c));
-            const typename Dot::Act a_high = Dot::activation(load_int8_quad(x[i].values + 8 * c + 4));
-            for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot(Dot::dot(part[i][v], low[v], a_low), high[v], a_high);
+            const typename Dot::Act a_low = Dot::activation(x[i].values, 2 * c);
+            const typename Dot::Act a_high = Dot::activation(x[i].values, 2 * c + 1);
+            for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot2(part[i][v], low[v], a_low, high[v], a_high);
           }
         }
         for (int i = 0; i < M; ++i) {
