@@ -69,6 +69,36 @@ def test_bad_arguments():
         quant.quantize("MXFP4", torch.ones(4, 32, dtype=torch.int32))
     with pytest.raises(ValueError, match="unknown method"):
         quant.quantize("FP3", torch.randn(4, 32))
-    with pytest.raises(NotImplementedError):
-        quant.quantize("AMXINT4", torch.randn(4, 32))
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quant.quantize("AMXINT4", torch.randn(4, 96), group_size=48)
+    with pytest.raises(ValueError, match="multiple of group_size 64"):
+        quant.quantize("INT4", torch.randn(4, 96), group_size=64)
+    with pytest.raises(ValueError, match="INT4 only"):
+        quant.quantize("INT8", torch.randn(4, 32), group_size=32)
     assert quant.quantize("bf16", torch.randn(2, 3))[0].dtype == torch.bfloat16
+
+
+def test_int8_round_trip_within_half_a_step():
+    w = torch.randn(16, 100, generator=torch.Generator().manual_seed(2))
+    w[3] = 0  # an all-zero row: scale 0, values 0
+    values, scales = quant.quantize("AMXINT8", w)
+    assert values.dtype == torch.int8 and values.shape == (16, 100) and scales.shape == (16,)
+    assert values.abs().max() == 127 and torch.all(values[3] == 0)
+    back = quant.dequantize("INT8", values, scales)
+    assert torch.all((back - w).abs() <= scales[:, None] / 2 * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_and_layout(group):
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(group))
+    values, scales = quant.quantize("INT4", w, group_size=group)
+    assert values.dtype == torch.uint8 and values.shape == (8, 128) and scales.shape == (8, 256 // group)
+    back = quant.dequantize("INT4", values, scales)
+    step = scales.repeat_interleave(group, dim=-1)
+    assert torch.all((back - w).abs() <= step / 2 * (1 + 1e-6))
+    # Low nibble = even k, two's complement: decode the bytes by hand.
+    low = (values & 0xF).to(torch.int16)
+    high = (values >> 4).to(torch.int16)
+    q = torch.stack([low - 16 * (low > 7), high - 16 * (high > 7)], dim=-1).reshape(8, 256)
+    assert torch.equal(q.float() * step, back)
+    assert q.abs().max() == 7
