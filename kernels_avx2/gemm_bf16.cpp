@@ -48,7 +48,10 @@ struct FmaTile {
 
 void init_kernels() {}
 
-KernelInfo kernel_info() { return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (vpmaddwd / vpmaddubsw)"}; }
+KernelInfo kernel_info() {
+  return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1->int8 by vpshufb, int8 activations, vpmaddubsw)",
+          "avx2 (vpmaddwd / vpmaddubsw)"};
+}
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_tiled<FmaTile, kRows, kGroups>(x, w, y, y_stride);

@@ -66,7 +66,8 @@ bool use_vdpbf16ps() { return vdpbf16ps_enabled; }
 bool use_vpdpbusd() { return vpdpbusd_enabled; }
 
 KernelInfo kernel_info() {
-  return {"avx512", vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)",
+  const char* bf16_path = vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)";
+  return {"avx512", bf16_path, bf16_path,
           vpdpbusd_enabled ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)"};
 }
 

@@ -53,7 +53,7 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
   if (use_vpdpbusd())
     gemm_int4_vpdpbusd(x, w, y, y_stride);
   else
-    gemm_tiled_quantized<IntTiles<avx512::Vec, MaddubsDot>::Int4, kRows, kGroups>(x, w, y, y_stride);
+    gemm_tiled_quantized<IntTiles<avx512::Vec, MaddubsDot>::FourBitTile, kRows, kGroups>(x, w, y, y_stride);
 }
 
 KT_NAMESPACE_END

@@ -17,6 +17,8 @@ struct FmaDot {
 
 }  // namespace
 
+bool mxfp4_int8_activations() { return false; }
+
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   if (use_vdpbf16ps())
     gemm_mxfp4_vdpbf16ps(x, w, y, y_stride);

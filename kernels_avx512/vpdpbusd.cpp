@@ -34,7 +34,7 @@ void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, s
 }
 
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<Tiles::Int4, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
+  gemm_tiled_quantized<Tiles::FourBitTile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
 }
 
 double dpbusd_peak_probe(int64_t iterations) {

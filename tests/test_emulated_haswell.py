@@ -33,7 +33,8 @@ moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method="MXF
 moe.load_weights_from_tensors(p.gate, p.up, p.down)  # quantized on load
 for name in ("gate", "up", "down"):  # the reference uses the exact quantized weights
     setattr(p, name, decode_mxfp4(*kt_kernel.quant.quantize("MXFP4", getattr(p, name))).float())
-assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
+ref = reference_forward(p)  # the avx2 build multiplies MXFP4 with int8 activations: ~1-2 %
+assert ((moe.forward(p.hidden, p.ids, p.weights).double() - ref).norm() / ref.norm()).item() < 0.03
 for method in ("INT8", "INT4"):
     p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=9)
     moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method=method)

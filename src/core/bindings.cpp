@@ -91,6 +91,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
     d["bf16_path"] = info.bf16_path;
     d["int8_path"] = info.int8_path;
 #endif
+    d["mxfp4_path"] = info.mxfp4_path;
 #ifdef KT_AMX_EMULATED
     d["emulated_tile_products"] = kt::amx::emulated_tile_products();
 #endif

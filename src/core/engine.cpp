@@ -141,14 +141,15 @@ double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjecti
   AlignedBuffer<bf16_t> rows(size_t(m) * stride);
   AlignedBuffer<float> out(size_t(m) * y_stride);
   QuantizedBuffer quantized;
-  if (is_integer_format(format)) quantized.reserve(m, k);
+  const bool quantize = quantizes_activations(format);
+  if (quantize) quantized.reserve(m, k);
   for (int i = 0; i < m; ++i) {
     std::memcpy(rows.data() + size_t(i) * stride, x + size_t(i) * k, k * sizeof(bf16_t));
     std::memset(rows.data() + size_t(i) * stride + k, 0, (stride - k) * sizeof(bf16_t));
-    if (is_integer_format(format)) quantized.quantize(i, x + size_t(i) * k, k);
+    if (quantize) quantized.quantize(i, x + size_t(i) * k, k);
   }
   Activations activations{rows.data(), size_t(stride), nullptr, m};
-  if (is_integer_format(format)) activations.quantized = quantized.view();
+  if (quantize) activations.quantized = quantized.view();
   const PackedGroups all = packed.groups(0, 0, packed_groups(n));
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < repeats; ++r) run_gemm(format, activations, all, out.data(), y_stride);
@@ -187,6 +188,7 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
                      const EngineOptions& options)
     : shape_(shape),
       format_(format),
+      quantized_activations_(quantizes_activations(format)),
       inline_multiply_adds_(options.inline_multiply_adds),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
@@ -298,7 +300,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   // Buffers only grow, so steady-state calls allocate nothing.
   hidden_.reserve(size_t(tokens) * hidden_stride_);
   activation_.reserve(size_t(total_rows) * inter_stride_);
-  if (is_integer_format(format_)) {
+  if (quantized_activations_) {
     hidden_q_.reserve(tokens, shape_.hidden);
     activation_q_.reserve(total_rows, shape_.intermediate);
   }
@@ -348,23 +350,22 @@ std::vector<std::vector<int>> MoEEngine::worker_cpus() {
 }
 
 // One worker's part of the call: copy tokens in, gate/up tasks, down tasks, phases separated by
-// barrier() (a no-op when one thread does everything). The integer formats quantize each token and
-// each intermediate row once, whole (one scale per row), before the projections read it.
+// barrier() (a no-op when one thread does everything). Kernels that read int8 activations get each
+// token and each intermediate row quantized once, whole (one scale per row), before the projections read it.
 template <typename Barrier>
 void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
   const int H = shape_.hidden;
-  const bool integer = is_integer_format(format_);
   for (int t = worker; t < tokens_; t += workers) {
     bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
     std::memcpy(row, hidden_in_ + size_t(t) * H, H * sizeof(bf16_t));
     std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
-    if (integer) hidden_q_.quantize(t, row, H);
+    if (quantized_activations_) hidden_q_.quantize(t, row, H);
   }
   barrier();
   for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
     gate_up_task(task, scratch_[worker]);
   barrier();
-  if (integer) {
+  if (quantized_activations_) {
     for (int row = worker; row < route_offset_.back(); row += workers)
       activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate);
     barrier();
@@ -382,7 +383,7 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   const int expert = active_experts_[active];
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
   Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
-  if (is_integer_format(format_)) x.quantized = hidden_q_.view();
+  if (quantized_activations_) x.quantized = hidden_q_.view();
 
   gemm(x, gate_.groups(expert, g0, block_groups), s.gate.data(), kBlockCols);
   gemm(x, up_.groups(expert, g0, block_groups), s.up.data(), kBlockCols);
@@ -404,7 +405,7 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
     const int expert = active_experts_[active];
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
     Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows};
-    if (is_integer_format(format_)) x.quantized = activation_q_.view(first);
+    if (quantized_activations_) x.quantized = activation_q_.view(first);
     gemm(x, down_.groups(expert, g0, block_groups), s.down.data(), kBlockCols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];

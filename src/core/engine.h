@@ -24,6 +24,11 @@ inline bool is_integer_format(WeightFormat format) {
   return format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
 }
 
+// Whether this build's kernels for `format` read int8 activations (QuantizedRows).
+inline bool quantizes_activations(WeightFormat format) {
+  return is_integer_format(format) || (format == WeightFormat::kMxfp4 && mxfp4_int8_activations());
+}
+
 // One projection (gate, up or down) of every expert, packed for the kernels.
 struct PackedProjection {
   int rows = 0, k = 0, scale_group = 0;
@@ -123,6 +128,7 @@ class MoEEngine {
 
   const MoEShape shape_;
   const WeightFormat format_;
+  const bool quantized_activations_;  // quantizes_activations(format_)
   const double inline_multiply_adds_;
   std::vector<uint8_t> skip_;
   bool loaded_ = false;

@@ -1,6 +1,7 @@
-// INT8 and INT4 register tiles, written once for every ISA: `V` is the vector width (AVX512: one
-// zmm per 16-row group; AVX2: two ymm) and `Dot` the u8 x s8 dot product of that ISA (vpdpbusd,
-// or its emulation by vpmaddwd / vpmaddubsw). Layouts and the weight offsets: kernels.h.
+// INT8 and 4-bit (INT4, and MXFP4 where a build multiplies it in integers) register tiles, written
+// once for every ISA: `V` is the vector width (AVX512: one zmm per 16-row group; AVX2: two ymm),
+// `Dot` the u8 x s8 dot product of that ISA (vpdpbusd, or its emulation by vpmaddwd / vpmaddubsw)
+// and `FourBit` what a 4-bit format adds (Int4Format below). Layouts and weight offsets: kernels.h.
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
 // sub_epi32, to_float, fmadd, mul, storeu_ps.
@@ -14,7 +15,20 @@
 
 KT_NAMESPACE_BEGIN
 
-template <class V, class Dot>
+// INT4: the nibbles are q + 8 already; one float scale per G inputs per row. A 4-bit format gives:
+// kOffset (added to each value to make it unsigned), values(nibbles) (-> u8 values + kOffset),
+// inputs_per_scale(w), scale(group_scales, s, first_row) (the kLanes rows' scales of group s).
+template <class V>
+struct Int4Format {
+  static constexpr int kOffset = kInt4Offset;
+  static typename V::Int values(typename V::Int nibbles) { return nibbles; }
+  static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
+  static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
+    return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGroupRows + first_row);
+  }
+};
+
+template <class V, class Dot, class FourBit = Int4Format<V>>
 struct IntTiles {
   using Int = typename V::Int;
   using Float = typename V::Float;
@@ -26,9 +40,12 @@ struct IntTiles {
     return w.values + (v / kVecsPerGroup) * w.group_bytes + size_t(index) * kLineBytes +
            (v % kVecsPerGroup) * V::kLanes * 4;
   }
-  static Float scales(const PackedGroups& w, int v, int scale_index) {
+  static Float row_scales(const PackedGroups& w, int v) {
     return V::load_ps(reinterpret_cast<const float*>(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes) +
-                      scale_index * kGroupRows + (v % kVecsPerGroup) * V::kLanes);
+                      (v % kVecsPerGroup) * V::kLanes);
+  }
+  static Float four_bit_scale(const PackedGroups& w, int v, int s) {
+    return FourBit::scale(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
   }
 
   // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)).
@@ -55,23 +72,23 @@ struct IntTiles {
         const Float x_scale = V::set1_ps(x[i].scale);
         for (int v = 0; v < kVecs; ++v)
           V::storeu_ps(y + i * y_stride + v * V::kLanes,
-                       V::mul(V::to_float(V::sub_epi32(acc[i][v], offset)), V::mul(scales(w, v, 0), x_scale)));
+                       V::mul(V::to_float(V::sub_epi32(acc[i][v], offset)), V::mul(row_scales(w, v), x_scale)));
       }
     }
   };
 
-  // Per scale group s: y += row_scale[s] * (sum over the group of (q + 8) * x - 8 * sum(x)); then
-  // y *= x_scale.
+  // Per scale group s: y += scale[s] * (sum over the group of (q + offset) * x - offset * sum(x));
+  // then y *= x_scale. Line c holds inputs 8c..8c+7 of 16 rows as nibbles (kernels.h).
   template <int M, int NV>
-  struct Int4 {
+  struct FourBitTile {
     static constexpr int kVecs = NV * kVecsPerGroup;
     static void run(const QuantizedRow* x, const PackedGroups& w, float* y, size_t y_stride) {
       const Int low_nibbles = V::set1(kLowNibbles);
-      const int lines_per_scale = w.scale_group / 8;
+      const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
       Float acc[M][kVecs];
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1_ps(0.0f);
-      for (int s = 0; s < w.k / w.scale_group; ++s) {
+      for (int s = 0; s < w.k / inputs_per_scale; ++s) {
         Int part[M][kVecs];  // this scale group's integer sums
         for (int i = 0; i < M; ++i)
           for (int v = 0; v < kVecs; ++v) part[i][v] = V::set1(0);
@@ -80,8 +97,8 @@ struct IntTiles {
           for (int v = 0; v < kVecs; ++v) {
             prefetch_weights(line(w, v, c));
             const Int raw = V::load(line(w, v, c));
-            low[v] = Dot::weights(V::and_(raw, low_nibbles));
-            high[v] = Dot::weights(V::and_(V::srli_epi32(raw, 4), low_nibbles));
+            low[v] = Dot::weights(FourBit::values(V::and_(raw, low_nibbles)));
+            high[v] = Dot::weights(FourBit::values(V::and_(V::srli_epi32(raw, 4), low_nibbles)));
           }
           for (int i = 0; i < M; ++i) {
             const typename Dot::Act a_low = Dot::activation(x[i].values, 2 * c);
@@ -90,9 +107,9 @@ struct IntTiles {
           }
         }
         for (int i = 0; i < M; ++i) {
-          const Int offset = V::set1(kInt4Offset * quantized_sum(x[i], s * w.scale_group, w.scale_group));
+          const Int offset = V::set1(FourBit::kOffset * quantized_sum(x[i], s * inputs_per_scale, inputs_per_scale));
           for (int v = 0; v < kVecs; ++v)
-            acc[i][v] = V::fmadd(V::to_float(V::sub_epi32(part[i][v], offset)), scales(w, v, s), acc[i][v]);
+            acc[i][v] = V::fmadd(V::to_float(V::sub_epi32(part[i][v], offset)), four_bit_scale(w, v, s), acc[i][v]);
         }
       }
       for (int i = 0; i < M; ++i)

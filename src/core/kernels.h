@@ -116,6 +116,9 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
+// True where gemm_mxfp4 multiplies in integers and reads x.quantized (the avx2 build: twice an E2M1
+// value is an integer, and vpmaddubsw beats decoding to fp32); false where it reads bf16 rows.
+bool mxfp4_int8_activations();
 
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
 enum class PeakOp { kFmaF32, kDpBf16, kDpInt8 };  // fp32 FMA, vdpbf16ps, vpdpbusd
@@ -129,8 +132,9 @@ void init_kernels();
 
 struct KernelInfo {
   const char* isa;        // the kernels directory linked in
-  const char* bf16_path;  // how bf16 products are computed (BF16 and MXFP4 kernels)
-  const char* int8_path;  // how u8 x s8 products are computed (INT8 and INT4 kernels)
+  const char* bf16_path;   // how bf16 products are computed (BF16 kernels)
+  const char* mxfp4_path;  // how MXFP4 weights are multiplied
+  const char* int8_path;   // how u8 x s8 products are computed (INT8 and INT4 kernels)
 };
 KernelInfo kernel_info();
 
