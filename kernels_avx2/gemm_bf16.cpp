@@ -49,7 +49,7 @@ struct FmaTile {
 void init_kernels() {}
 
 KernelInfo kernel_info() {
-  return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1->int8 by vpshufb, int8 activations, vpmaddubsw)",
+  return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1 -> integers by vpshufb, int8 activations, vpmaddubsw)",
           "avx2 (vpmaddwd / vpmaddubsw)"};
 }
 

@@ -24,6 +24,15 @@ struct Vec {
   static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
   static void storeu_ps(float* p, Float a) { _mm256_storeu_ps(p, a); }
+  static Int lookup16(const int8_t* table, Int indices) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))),
+                               indices);
+  }
+  static Float e8m0_to_float(const uint8_t* scales) {
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))), 23);
+    return _mm256_castsi256_ps(_mm256_max_epi32(bits, _mm256_set1_epi32(kE8M0ZeroBits)));
+  }
 };
 
 // Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'

@@ -66,8 +66,9 @@ bool use_vdpbf16ps() { return vdpbf16ps_enabled; }
 bool use_vpdpbusd() { return vpdpbusd_enabled; }
 
 KernelInfo kernel_info() {
-  const char* bf16_path = vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)";
-  return {"avx512", bf16_path, bf16_path,
+  return {"avx512", vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)",
+          vpdpbusd_enabled ? "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)"
+                           : "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)",
           vpdpbusd_enabled ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)"};
 }
 

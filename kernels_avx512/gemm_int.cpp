@@ -1,5 +1,5 @@
 // AVX512 INT8 / INT4 GEMMs: vpdpbusd where the CPU has AVX512_VNNI (vpdpbusd.cpp), else the plain
-// AVX512BW emulations here. The tiles themselves are src/core/int_tiles.h.
+// AVX512BW emulations here (MXFP4's too). The tiles themselves are src/core/int_tiles.h.
 #include "int_tiles.h"
 #include "paths.h"
 
@@ -27,8 +27,8 @@ struct MaddwdDot {
   }
 };
 
-// Weights 0..15 (INT4): two vpmaddubsw summed in 16 bits cannot saturate (4 * 15 * 127 < 2^15);
-// vpmaddwd by 1 widens.
+// Weights 0..24 (INT4: 0..15, MXFP4: 0..24): two vpmaddubsw summed in 16 bits cannot saturate
+// (4 * 24 * 127 < 2^15); vpmaddwd by 1 widens.
 struct MaddubsDot {
   using Weights = __m512i;
   using Act = __m512i;
@@ -47,6 +47,11 @@ void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, siz
     gemm_int8_vpdpbusd(x, w, y, y_stride);
   else
     gemm_tiled_quantized<IntTiles<avx512::Vec, MaddwdDot>::Int8, kRows, kGroups>(x, w, y, y_stride);
+}
+
+void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_mxfp4_tiled<IntTiles<avx512::Vec, MaddubsDot, Mxfp4Format<avx512::Vec>>::FourBitTile, kRows, kGroups>(
+      x, w, y, y_stride);
 }
 
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

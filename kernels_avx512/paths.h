@@ -23,16 +23,18 @@ void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, siz
 // All AVX512_BF16 code, in vdpbf16ps.cpp (the one file compiled with -mavx512bf16); called only
 // after CPUID reported AVX512_BF16.
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-void gemm_mxfp4_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbf16_peak_probe(int64_t iterations);  // flops done
 
 // The AVX512 INT8 GEMM (gemm_int8 of the avx512 build; of the amx build below its tile threshold).
 void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+// MXFP4 without VNNI (vpmaddubsw), in gemm_int.cpp.
+void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 
 // All AVX512_VNNI code, in vpdpbusd.cpp (the one file compiled with -mavx512vnni); called only after
 // CPUID reported AVX512_VNNI.
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbusd_peak_probe(int64_t iterations);  // integer ops done
 
 namespace avx512 {
@@ -53,6 +55,13 @@ struct Vec {
   static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
   static void storeu_ps(float* p, Float a) { _mm512_storeu_ps(p, a); }
+  static Int lookup16(const int8_t* table, Int indices) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), indices);
+  }
+  static Float e8m0_to_float(const uint8_t* scales) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
+    return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(bytes, 23), _mm512_set1_epi32(kE8M0ZeroBits)));
+  }
 };
 
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.

@@ -1,13 +1,12 @@
 // Everything that executes AVX512_BF16 instructions: this file alone is compiled with -mavx512bf16
 // (CMakeLists.txt), and its functions run only after CPUID reported AVX512_BF16 (use_vdpbf16ps()).
-#include "mxfp4_tile.h"
+#include "paths.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
 
 // BF16: rows x 16-column groups of accumulators, weight lines used straight as vdpbf16ps operands.
 constexpr int kDpRows = 6, kDpGroups = 4;  // 24 accumulators + 4 weight lines
-constexpr int kMxfp4Rows = 6;              // 6 accumulators + 6 block partials + 4 decoded operands
 volatile float probe_sink;                 // keeps the peak probe's loop from being optimised away
 
 template <int M, int NV>
@@ -32,20 +31,10 @@ struct DpBf16Tile {
   }
 };
 
-struct DpBf16Dot {
-  static void accumulate(__m512& sum, const bf16_t* x_pair, __m512i w) {
-    sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_set1_epi32(load_bf16_pair(x_pair)), (__m512bh)w);
-  }
-};
-
 }  // namespace
 
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_tiled<DpBf16Tile, kDpRows, kDpGroups>(x, w, y, y_stride);
-}
-
-void gemm_mxfp4_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled<avx512::Mxfp4Tiles<DpBf16Dot>::Tile, kMxfp4Rows, 1>(x, w, y, y_stride);
 }
 
 double dpbf16_peak_probe(int64_t iterations) {

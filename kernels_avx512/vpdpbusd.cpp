@@ -7,7 +7,8 @@ KT_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kInt8Rows = 6, kInt8Groups = 4;  // 24 accumulators + 4 weight lines
-constexpr int kInt4Rows = 6, kInt4Groups = 2;  // 12 integer + 12 float accumulators + 4 decoded lines
+// INT4 and MXFP4: 12 integer + 12 float accumulators + 4 decoded lines
+constexpr int kInt4Rows = 6, kInt4Groups = 2;
 volatile int probe_sink;                       // keeps the peak probe's loop from being optimised away
 
 struct DpbusdDot {
@@ -35,6 +36,11 @@ void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, s
 
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_tiled_quantized<Tiles::FourBitTile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
+}
+
+void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  using Mxfp4Tiles = IntTiles<avx512::Vec, DpbusdDot, Mxfp4Format<avx512::Vec>>;
+  gemm_mxfp4_tiled<Mxfp4Tiles::FourBitTile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
 }
 
 double dpbusd_peak_probe(int64_t iterations) {

@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 
 import kt_kernel
 from kt_kernel import numa, quant
-from kt_kernel._native import ext
 from kt_kernel.experts import intermediate_granularity, split_intermediate
 from kt_kernel.info import format_cpu_info, format_numa_nodes
 
@@ -26,10 +25,8 @@ METHODS = ["BF16", "MXFP4", "INT8", "INT4"]
 
 
 def int8_activations(method: str) -> bool:
-    """Whether this build's kernels for `method` quantize the activations (INT8, INT4; MXFP4 on avx2)."""
-    return method in ("INT8", "INT4") or (
-        method == "MXFP4" and "int8 activations" in ext.kernel_info()["mxfp4_path"]
-    )
+    """Whether the kernels for `method` quantize the activations (all but BF16's)."""
+    return method != "BF16"
 
 
 PROJECTIONS = ("gate", "up", "down")

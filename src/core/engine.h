@@ -24,10 +24,8 @@ inline bool is_integer_format(WeightFormat format) {
   return format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
 }
 
-// Whether this build's kernels for `format` read int8 activations (QuantizedRows).
-inline bool quantizes_activations(WeightFormat format) {
-  return is_integer_format(format) || (format == WeightFormat::kMxfp4 && mxfp4_int8_activations());
-}
+// Whether the kernels for `format` read int8 activations (QuantizedRows): all but BF16's.
+inline bool quantizes_activations(WeightFormat format) { return format != WeightFormat::kBf16; }
 
 // One projection (gate, up or down) of every expert, packed for the kernels.
 struct PackedProjection {

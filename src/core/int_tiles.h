@@ -4,7 +4,8 @@
 // and `FourBit` what a 4-bit format adds (Int4Format below). Layouts and weight offsets: kernels.h.
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
-// sub_epi32, to_float, fmadd, mul, storeu_ps.
+// sub_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per index < 16) and
+// e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the fp32 denormal 2^-127).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
 // 32-bit lane sum of 4 u8 x s8; for INT4 also dot2(acc, w1, a1, w2, a2) = dot(dot(acc, w1, a1), w2, a2)
@@ -25,6 +26,20 @@ struct Int4Format {
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
     return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGroupRows + first_row);
+  }
+};
+
+// MXFP4: twice an E2M1 value is an integer in -12..12, so one byte lookup turns a code into the u8
+// 2v + 12, and each 32-input block's sum is scaled by its E8M0 power of two, halved (exact).
+template <class V>
+struct Mxfp4Format {
+  static constexpr int kOffset = 12;
+  // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
+  alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  static typename V::Int values(typename V::Int codes) { return V::lookup16(kValues, codes); }
+  static int inputs_per_scale(const PackedGroups&) { return kMxfp4Block; }
+  static typename V::Float scale(const uint8_t* group_scales, int block, int first_row) {
+    return V::mul(V::e8m0_to_float(group_scales + block * kGroupRows + first_row), V::set1_ps(0.5f));
   }
 };
 
@@ -118,5 +133,40 @@ struct IntTiles {
     }
   };
 };
+
+KT_NAMESPACE_END
+
+KT_NAMESPACE_BEGIN
+
+// The packed MXFP4 layout (kernels.h) keeps a row's 8 inputs of a line in one 32-bit word: its low
+// nibbles hold inputs {0, 4, 1, 5} of the octet, its high nibbles {2, 6, 3, 7}. The activations are
+// put in that order once per call (in a thread-local buffer that only grows), so that the 4-bit
+// tiles read the packed words as they are; the order stays within each 32-input block, so the
+// block sums still hold.
+inline const int8_t* mxfp4_ordered_activations(const Activations& x, int k) {
+  constexpr int kOctetOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  thread_local AlignedBuffer<int8_t> ordered;
+  ordered.reserve(size_t(x.rows) * k);
+  for (int i = 0; i < x.rows; ++i) {
+    const int8_t* src = x.quantized_row(i).values;
+    int8_t* dst = ordered.data() + size_t(i) * k;
+    for (int c = 0; c < k; c += 8)
+      for (int j = 0; j < 8; ++j) dst[c + j] = src[c + kOctetOrder[j]];
+  }
+  return ordered.data();
+}
+
+// gemm_mxfp4 on the 4-bit tiles of a build: Tile = IntTiles<V, Dot, Mxfp4Format<V>>::FourBitTile.
+template <template <int, int> class Tile, int MaxM, int NV>
+void gemm_mxfp4_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  const int8_t* ordered = mxfp4_ordered_activations(x, w.k);
+  gemm_tiled<Tile, MaxM, NV, QuantizedRow>(
+      [&](int i) {
+        QuantizedRow row = x.quantized_row(i);
+        row.values = ordered + size_t(i) * w.k;
+        return row;
+      },
+      x.rows, w, y, y_stride);
+}
 
 KT_NAMESPACE_END

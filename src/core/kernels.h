@@ -75,11 +75,12 @@ void pack_bf16(const bf16_t* weights, int rows, int k, uint8_t* packed);
 
 // ---- MXFP4 (OCP Microscaling: E2M1 values, one E8M0 scale per 32 inputs) --------------------
 // Canonical input: codes [rows][k/2] (low nibble = even k), scales [rows][k/32]; k % 32 == 0.
-// Packed: per group, per 32-input block, four 64-byte chunks; chunk c holds input pairs
-// j = 4c..4c+3 as one 32-bit word per row (row r at bytes 4r..4r+3) with the code of input 2j in
-// bits 4(j%4)..+3 and the code of input 2j+1 sixteen bits higher. Shifting a word right by 4(j%4)
-// and masking with 0x000F000F leaves the two codes of pair j in the two 16-bit halves, ready for
-// one table lookup (vpermw; two vpshufb on AVX2) that yields the BF16 pair layout above.
+// Packed: per group, per 32-input block, four 64-byte chunks; chunk c holds inputs 8c..8c+7 of the
+// 16 rows as one 32-bit word per row (row r at bytes 4r..4r+3) with the code of input 2j in bits
+// 4(j%4)..+3 and the code of input 2j+1 sixteen bits higher (j = 4c..4c+3). So a word's low
+// nibbles hold inputs {0, 4, 1, 5} of the octet and its high nibbles {2, 6, 3, 7}: one mask (and a
+// shift) yields two quads of codes for the 4-bit integer tiles, which look the codes up as integers
+// (twice an E2M1 value is an integer) and read the activations in that order (int_tiles.h).
 // Scales: per group, per block, 16 bytes (one per row).
 constexpr int kMxfp4Block = 32;
 constexpr int kMxfp4ChunkBytes = 64;
@@ -113,12 +114,9 @@ void pack_int4(const uint8_t* q, const float* scales, int rows, int k, int group
 // ---- GEMM: y[i][j] = sum_k x_i[k] * W[j][k], i < x.rows, j < kGroupRows * w.groups ----------
 // fp32 accumulation; y is overwritten, row stride y_stride floats.
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
-// True where gemm_mxfp4 multiplies in integers and reads x.quantized (the avx2 build: twice an E2M1
-// value is an integer, and vpmaddubsw beats decoding to fp32); false where it reads bf16 rows.
-bool mxfp4_int8_activations();
 
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
 enum class PeakOp { kFmaF32, kDpBf16, kDpInt8 };  // fp32 FMA, vdpbf16ps, vpdpbusd
