@@ -192,12 +192,9 @@ def run_worker(args: argparse.Namespace) -> dict:
     uses_dpint8 = "vpdpbusd" in kernels["int8_path"]
     # The peak each format's kernel is measured against: its multiply instruction, fp32 FMA where it
     # has none of its own (the yardstick for the AVX2 build).
-    peak_ops = {
-        "bf16": "dpbf16" if uses_dpbf16 else "fma_f32",
-        "mxfp4": "dpbf16" if uses_dpbf16 else "fma_f32",
-        "int8": "dpint8" if uses_dpint8 else "fma_f32",
-        "int4": "dpint8" if uses_dpint8 else "fma_f32",
-    }
+    integer_op = "dpint8" if uses_dpint8 else "fma_f32"  # MXFP4, INT8, INT4: int8 activations
+    peak_ops = {"bf16": "dpbf16" if uses_dpbf16 else "fma_f32", "mxfp4": integer_op, "int8": integer_op,
+                "int4": integer_op}  # fmt: skip
     variant = kt_kernel.__cpu_variant__
     label = variant + ("-plain" if variant != "avx2" and not (uses_dpbf16 or uses_dpint8) else "")
     rows: list[Row] = []
