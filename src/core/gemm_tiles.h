@@ -15,7 +15,7 @@
 KT_NAMESPACE_BEGIN
 
 // x_rows: M activation row handles (const bf16_t*, const float* where a kernel widens rows first,
-// QuantizedRow for the integer formats); w: NV groups starting at w.values; y: M rows x NV * 16.
+// QuantizedRow where the kernel multiplies in integers); w: NV groups starting at w.values; y: M rows x NV * 16.
 template <typename Row>
 using TileFn = void (*)(const Row* x_rows, const PackedGroups& w, float* y, size_t y_stride);
 
@@ -89,7 +89,7 @@ inline int32_t load_int8_quad(const int8_t* p) {
   return quad;
 }
 
-// Masks the low nibbles of an INT4 line (see kernels.h).
+// Masks the low nibbles of an INT4 or MXFP4 line (see kernels.h).
 constexpr int32_t kLowNibbles = 0x0F0F0F0F;
 
 // E8M0 scale 0 means 2^-127, an fp32 denormal; every other byte s maps to the bits s << 23.

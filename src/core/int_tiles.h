@@ -1,15 +1,15 @@
-// INT8 and 4-bit (INT4, and MXFP4 where a build multiplies it in integers) register tiles, written
-// once for every ISA: `V` is the vector width (AVX512: one zmm per 16-row group; AVX2: two ymm),
-// `Dot` the u8 x s8 dot product of that ISA (vpdpbusd, or its emulation by vpmaddwd / vpmaddubsw)
-// and `FourBit` what a 4-bit format adds (Int4Format below). Layouts and weight offsets: kernels.h.
+// INT8 and 4-bit (INT4, MXFP4) register tiles on int8 activations, written once for every ISA: `V`
+// is the vector width (AVX512: one zmm per 16-row group; AVX2: two ymm), `Dot` the u8 x s8 dot
+// product of that ISA (vpdpbusd, or its emulation by vpmaddwd / vpmaddubsw) and `FourBit` what a
+// 4-bit format adds (Int4Format, Mxfp4Format below). Layouts and weight offsets: kernels.h.
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
 // sub_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per index < 16) and
 // e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the fp32 denormal 2^-127).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
-// 32-bit lane sum of 4 u8 x s8; for INT4 also dot2(acc, w1, a1, w2, a2) = dot(dot(acc, w1, a1), w2, a2)
-// (weights 0..15 let vpmaddubsw sum both quads before widening).
+// 32-bit lane sum of 4 u8 x s8; for the 4-bit tiles also dot2(acc, w1, a1, w2, a2) =
+// dot(dot(acc, w1, a1), w2, a2) (4-bit weights, at most 24, let vpmaddubsw sum both before widening).
 #pragma once
 
 #include "gemm_tiles.h"
@@ -133,10 +133,6 @@ struct IntTiles {
     }
   };
 };
-
-KT_NAMESPACE_END
-
-KT_NAMESPACE_BEGIN
 
 // The packed MXFP4 layout (kernels.h) keeps a row's 8 inputs of a line in one 32-bit word: its low
 // nibbles hold inputs {0, 4, 1, 5} of the octet, its high nibbles {2, 6, 3, 7}. The activations are

@@ -14,7 +14,8 @@ constexpr int kGroupRows = 16;
 
 inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 
-// Activation rows quantized for the integer formats, one scale per row:
+// Activation rows quantized for the kernels that multiply in integers (all but BF16), one scale
+// per row:
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
 // block_sums[b] = sum of values[32b .. 32b + 31] (the kernels subtract their weight offset times it).
 constexpr int kActivationBlock = 32;
@@ -37,8 +38,8 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, int8_t* values,
                              int32_t* block_sums);
 
 // The activation rows a GEMM reads: row i is base + (row_ids ? row_ids[i] : i) * stride, bf16,
-// readable (zero padded) up to round_up(k, 2) elements; for the integer formats also `quantized`,
-// indexed the same way.
+// readable (zero padded) up to round_up(k, 2) elements; for the formats multiplied in integers
+// (INT8, INT4, MXFP4) also `quantized`, indexed the same way.
 struct Activations {
   const bf16_t* base;
   size_t stride;
