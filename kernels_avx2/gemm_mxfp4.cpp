@@ -11,7 +11,7 @@ constexpr int kRows = 2;  // 16 ymm registers: 2 rows x 2 halves of integer and 
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   using Tiles = IntTiles<avx2::Vec, avx2::MaddubsDot, Mxfp4Format<avx2::Vec>>;
-  gemm_mxfp4_tiled<Tiles::FourBitTile, kRows, 1>(x, w, y, y_stride);
+  gemm_tiled_quantized<Tiles::FourBitTile, kRows, 1>(x, w, y, y_stride);
 }
 
 KT_NAMESPACE_END

@@ -50,7 +50,7 @@ void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, siz
 }
 
 void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_mxfp4_tiled<IntTiles<avx512::Vec, MaddubsDot, Mxfp4Format<avx512::Vec>>::FourBitTile, kRows, kGroups>(
+  gemm_tiled_quantized<IntTiles<avx512::Vec, MaddubsDot, Mxfp4Format<avx512::Vec>>::FourBitTile, kRows, kGroups>(
       x, w, y, y_stride);
 }
 

@@ -40,7 +40,7 @@ void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, s
 
 void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   using Mxfp4Tiles = IntTiles<avx512::Vec, DpbusdDot, Mxfp4Format<avx512::Vec>>;
-  gemm_mxfp4_tiled<Mxfp4Tiles::FourBitTile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
+  gemm_tiled_quantized<Mxfp4Tiles::FourBitTile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
 }
 
 double dpbusd_peak_probe(int64_t iterations) {

@@ -83,9 +83,11 @@ void QuantizedBuffer::reserve(int rows, int k) {
   block_sums.reserve(size_t(rows) * stride / kActivationBlock);
 }
 
-void QuantizedBuffer::quantize(int row, const bf16_t* x, int k) {
-  quantize_activation_row(x, k, int(stride), values.data() + size_t(row) * stride, scales.data() + row,
+void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, WeightFormat format) {
+  int8_t* row_values = values.data() + size_t(row) * stride;
+  quantize_activation_row(x, k, int(stride), row_values, scales.data() + row,
                           block_sums.data() + size_t(row) * stride / kActivationBlock);
+  if (format == WeightFormat::kMxfp4) order_octets_for_mxfp4(row_values, int(stride));
 }
 
 QuantizedRows QuantizedBuffer::view(int first_row) const {
@@ -146,7 +148,7 @@ double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjecti
   for (int i = 0; i < m; ++i) {
     std::memcpy(rows.data() + size_t(i) * stride, x + size_t(i) * k, k * sizeof(bf16_t));
     std::memset(rows.data() + size_t(i) * stride + k, 0, (stride - k) * sizeof(bf16_t));
-    if (quantize) quantized.quantize(i, x + size_t(i) * k, k);
+    if (quantize) quantized.quantize(i, x + size_t(i) * k, k, format);
   }
   Activations activations{rows.data(), size_t(stride), nullptr, m};
   if (quantize) activations.quantized = quantized.view();
@@ -359,7 +361,7 @@ void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
     bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
     std::memcpy(row, hidden_in_ + size_t(t) * H, H * sizeof(bf16_t));
     std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
-    if (quantized_activations_) hidden_q_.quantize(t, row, H);
+    if (quantized_activations_) hidden_q_.quantize(t, row, H, format_);
   }
   barrier();
   for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
@@ -367,7 +369,8 @@ void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
   barrier();
   if (quantized_activations_) {
     for (int row = worker; row < route_offset_.back(); row += workers)
-      activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate);
+      activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate,
+                             format_);
     barrier();
   }
   for (int block; (block = next_down_task_.fetch_add(1, std::memory_order_relaxed)) < down_tasks_;)

@@ -62,7 +62,8 @@ struct QuantizedBuffer {
   size_t stride = 0;
 
   void reserve(int rows, int k);
-  void quantize(int row, const bf16_t* x, int k);
+  // Row `row` from x (k values), in the order `format`'s kernels read (MXFP4: octet order).
+  void quantize(int row, const bf16_t* x, int k, WeightFormat format);
   // The rows from `first_row` on.
   QuantizedRows view(int first_row = 0) const;
 };

@@ -30,7 +30,8 @@ struct Int4Format {
 };
 
 // MXFP4: twice an E2M1 value is an integer in -12..12, so one byte lookup turns a code into the u8
-// 2v + 12, and each 32-input block's sum is scaled by its E8M0 power of two, halved (exact).
+// 2v + 12, and each 32-input block's sum is scaled by its E8M0 power of two, halved (exact). The
+// activations arrive in the packed layout's octet order (kernels.h), so the words are read as they are.
 template <class V>
 struct Mxfp4Format {
   static constexpr int kOffset = 12;
@@ -133,36 +134,5 @@ struct IntTiles {
     }
   };
 };
-
-// The packed MXFP4 layout (kernels.h) keeps a row's 8 inputs of a line in one 32-bit word: its low
-// nibbles hold inputs {0, 4, 1, 5} of the octet, its high nibbles {2, 6, 3, 7}. The activations are
-// put in that order once per call (in a thread-local buffer that only grows), so that the 4-bit
-// tiles read the packed words as they are; the order stays within each 32-input block, so the
-// block sums still hold.
-inline const int8_t* mxfp4_ordered_activations(const Activations& x, int k) {
-  constexpr int kOctetOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-  thread_local AlignedBuffer<int8_t> ordered;
-  ordered.reserve(size_t(x.rows) * k);
-  for (int i = 0; i < x.rows; ++i) {
-    const int8_t* src = x.quantized_row(i).values;
-    int8_t* dst = ordered.data() + size_t(i) * k;
-    for (int c = 0; c < k; c += 8)
-      for (int j = 0; j < 8; ++j) dst[c + j] = src[c + kOctetOrder[j]];
-  }
-  return ordered.data();
-}
-
-// gemm_mxfp4 on the 4-bit tiles of a build: Tile = IntTiles<V, Dot, Mxfp4Format<V>>::FourBitTile.
-template <template <int, int> class Tile, int MaxM, int NV>
-void gemm_mxfp4_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  const int8_t* ordered = mxfp4_ordered_activations(x, w.k);
-  gemm_tiled<Tile, MaxM, NV, QuantizedRow>(
-      [&](int i) {
-        QuantizedRow row = x.quantized_row(i);
-        row.values = ordered + size_t(i) * w.k;
-        return row;
-      },
-      x.rows, w, y, y_stride);
-}
 
 KT_NAMESPACE_END

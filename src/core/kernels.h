@@ -81,9 +81,14 @@ void pack_bf16(const bf16_t* weights, int rows, int k, uint8_t* packed);
 // 4(j%4)..+3 and the code of input 2j+1 sixteen bits higher (j = 4c..4c+3). So a word's low
 // nibbles hold inputs {0, 4, 1, 5} of the octet and its high nibbles {2, 6, 3, 7}: one mask (and a
 // shift) yields two quads of codes for the 4-bit integer tiles, which look the codes up as integers
-// (twice an E2M1 value is an integer) and read the activations in that order (int_tiles.h).
+// (twice an E2M1 value is an integer). MXFP4's quantized activations are stored in that order
+// (order_octets_for_mxfp4, once per row at quantization), so the tiles read the words as they are.
 // Scales: per group, per block, 16 bytes (one per row).
 constexpr int kMxfp4Block = 32;
+// Puts each octet of a quantized activation row (count % 8 == 0) in the packed MXFP4 words' nibble
+// order: inputs {0, 4, 1, 5, 2, 6, 3, 7}. The order stays inside each 32-input block, so the
+// block sums hold.
+void order_octets_for_mxfp4(int8_t* values, int count);
 constexpr int kMxfp4ChunkBytes = 64;
 inline size_t mxfp4_group_bytes(int k) { return size_t(k / kMxfp4Block) * 4 * kMxfp4ChunkBytes; }
 inline size_t mxfp4_group_scale_bytes(int k) { return size_t(k / kMxfp4Block) * kGroupRows; }

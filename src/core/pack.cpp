@@ -86,6 +86,15 @@ void pack_int4(const uint8_t* q, const float* scales, int rows, int k, int group
   }
 }
 
+void order_octets_for_mxfp4(int8_t* values, int count) {
+  constexpr int kOctetOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  for (int c = 0; c < count; c += 8) {
+    int8_t octet[8];
+    std::memcpy(octet, values + c, sizeof(octet));
+    for (int j = 0; j < 8; ++j) values[c + j] = octet[kOctetOrder[j]];
+  }
+}
+
 void quantize_activation_row(const bf16_t* x, int k, int stride, int8_t* values, float* scale,
                              int32_t* block_sums) {
   float amax = 0.0f;
