@@ -19,8 +19,11 @@ struct DpBf16Tile {
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int p = 0; p < round_up(w.k, 2) / 2; ++p) {
       __m512bh wv[NV];
-      for (int j = 0; j < NV; ++j)
-        wv[j] = (__m512bh)_mm512_load_si512(values + j * group_elems + size_t(p) * 2 * kGroupRows);
+      for (int j = 0; j < NV; ++j) {
+        const bf16_t* line = values + j * group_elems + size_t(p) * 2 * kGroupRows;
+        prefetch_weights(reinterpret_cast<const uint8_t*>(line));
+        wv[j] = (__m512bh)_mm512_load_si512(line);
+      }
       for (int i = 0; i < M; ++i) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_bf16_pair(x[i] + 2 * p));
         for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
