@@ -251,3 +251,14 @@ def test_mxfp4_from_integer_floats_rejected():
         wrapper(method="MXFP4", moe_intermediate_size=MXI).load_weights_from_tensors(
             torch.zeros(E, MXI, H, dtype=torch.int32), *weights()[1:]
         )
+
+
+def test_submit_addresses_refuses_no_tokens_and_null(loaded):
+    # The wrapper's fast path into the engine takes data_ptr()s; what it can still check, it does.
+    x, ids, w = inputs()
+    out = torch.empty_like(x)
+    with pytest.raises(ValueError, match="tokens >= 1 and non-null"):
+        loaded._layer.submit_addresses(x.data_ptr(), 0, ids.data_ptr(), w.data_ptr(), out.data_ptr())
+    with pytest.raises(ValueError, match="tokens >= 1 and non-null"):
+        loaded._layer.submit_addresses(x.data_ptr(), 3, 0, w.data_ptr(), out.data_ptr())
+    assert loaded.forward(x, ids, w).shape == (3, H)
