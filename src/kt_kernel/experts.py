@@ -469,7 +469,9 @@ class KTMoEWrapper:
         out = torch.empty_like(x)
         if x.shape[0] > 0:
             # _check_inputs made them contiguous with the engine's dtypes and shapes.
-            self._layer.submit_addresses(x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), out.data_ptr())
+            self._layer.submit_addresses(
+                x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), out.data_ptr()
+            )
         self._in_flight = (x, ids, weights, out)  # the engines read / write these until sync
 
     def sync_forward(
