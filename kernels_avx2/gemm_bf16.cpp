@@ -55,7 +55,7 @@ struct FmaTile {
 #pragma GCC unroll 4
       for (int g = 0; g < NV; ++g) {
         const bf16_t* line = values + g * group_elems + size_t(p) * 2 * kGroupRows;
-        prefetch_weights(reinterpret_cast<const uint8_t*>(line));
+        prefetch_weights(w, reinterpret_cast<const uint8_t*>(line));
         GroupPair pair;
         for (int h = 0; h < 2; ++h) {
           const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 16 * h));

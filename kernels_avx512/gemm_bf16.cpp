@@ -35,7 +35,7 @@ struct FmaTile {
       __m512 w_even[NV], w_odd[NV];
       for (int j = 0; j < NV; ++j) {
         const bf16_t* line_start = values + j * group_elems + size_t(p) * 2 * kGroupRows;
-        prefetch_weights(reinterpret_cast<const uint8_t*>(line_start));
+        prefetch_weights(w, reinterpret_cast<const uint8_t*>(line_start));
         const __m512i line = _mm512_load_si512(line_start);
         w_even[j] = even_bf16(line);
         w_odd[j] = odd_bf16(line);

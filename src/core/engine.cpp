@@ -23,7 +23,9 @@ constexpr int kBlockCols = kBlockGroups * kGroupRows;
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t);
+  // floor(t) by truncation of t + 128 > 0: std::floor made this loop 6x slower (4 vs 0.7 ns per
+  // element on this project's Xeon).
+  const float n = float(int32_t(t + 128.0f)) - 128.0f;
   const float f = t - n;
   float p = 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
@@ -388,8 +390,11 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
   if (quantized_activations_) x.quantized = hidden_q_.view();
 
-  gemm(x, gate_.groups(expert, g0, block_groups), s.gate.data(), kBlockCols);
-  gemm(x, up_.groups(expert, g0, block_groups), s.up.data(), kBlockCols);
+  PackedGroups gate = gate_.groups(expert, g0, block_groups);
+  const PackedGroups up = up_.groups(expert, g0, block_groups);
+  gate.next_values = up.values;
+  gemm(x, gate, s.gate.data(), kBlockCols);
+  gemm(x, up, s.up.data(), kBlockCols);
   for (int i = 0; i < rows; ++i)
     silu_mul_to_bf16(s.gate.data() + i * kBlockCols, s.up.data() + i * kBlockCols, block_groups * kGroupRows,
                      activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
@@ -409,7 +414,10 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
     Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows};
     if (quantized_activations_) x.quantized = activation_q_.view(first);
-    gemm(x, down_.groups(expert, g0, block_groups), s.down.data(), kBlockCols);
+    PackedGroups down = down_.groups(expert, g0, block_groups);
+    if (active + 1 < active_experts_.size())
+      down.next_values = down_.groups(active_experts_[active + 1], g0, block_groups).values;
+    gemm(x, down, s.down.data(), kBlockCols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];
       const float* y = s.down.data() + i * kBlockCols;

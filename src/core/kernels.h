@@ -64,6 +64,12 @@ struct PackedGroups {
   int k;                     // inputs per row
   int groups;
   int scale_group = 0;       // INT4: inputs per scale (32, 64 or 128)
+  // The weights the caller multiplies next (as many groups, the same k and format), or null: the
+  // tiles pull them into L2 while they reread these from cache (gemm_tiled).
+  const uint8_t* next_values = nullptr;
+  // Set by gemm_tiled, read by prefetch_weights: 0 = prefetch this run 4 KiB ahead into L1, else
+  // prefetch the line this many bytes away (in next_values) into L2.
+  ptrdiff_t warm_distance = 0;
 };
 
 // ---- BF16 -----------------------------------------------------------------------------------

@@ -97,8 +97,11 @@ void order_octets_for_mxfp4(int8_t* values, int count) {
 
 void quantize_activation_row(const bf16_t* x, int k, int stride, int8_t* values, float* scale,
                              int32_t* block_sums) {
-  float amax = 0.0f;
-  for (int c = 0; c < k; ++c) amax = std::max(amax, std::fabs(bf16_to_float(x[c])));
+  // The largest magnitude, as the largest bf16 bit pattern without its sign: an integer maximum
+  // vectorizes, a float one does not without -ffast-math. (A NaN makes the row NaN.)
+  uint16_t amax_bits = 0;
+  for (int c = 0; c < k; ++c) amax_bits = std::max(amax_bits, uint16_t(x[c] & 0x7FFFu));
+  const float amax = bf16_to_float(amax_bits);
   *scale = amax / 127.0f;
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
   for (int c = 0; c < k; ++c) values[c] = int8_t(std::nearbyint(bf16_to_float(x[c]) * inverse));
