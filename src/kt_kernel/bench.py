@@ -220,7 +220,7 @@ def run_worker(args: argparse.Namespace) -> dict:
                 # Bandwidth drifts on a shared machine: compare a decode row with a read just before it.
                 row_dram = ext.measure_read_bandwidth(args.threads, 1 << 28, 3) if decode else None
                 times = time_calls(
-                    moe.forward, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=2
+                    moe.forward, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=1
                 )
                 touched = statistics.mean(int(ids.unique().numel()) for _, ids, _ in inputs)
                 median = statistics.median(times)
@@ -326,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per row (fewer for slow rows)")
     parser.add_argument(
-        "--row-seconds", type=float, default=10.0, help="after 5 calls, stop a row once it used this long"
+        "--row-seconds", type=float, default=5.0, help="after 5 calls, stop a row once it used this long"
     )
     parser.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch baseline")
     parser.add_argument(

@@ -143,12 +143,14 @@ def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.where(amax > 0, exponent, torch.zeros_like(exponent)).clamp(-E8M0_BIAS, E8M0_BIAS)
     exponent = exponent + (amax / torch.exp2(exponent.float()) > 6).to(exponent.dtype)  # float rounding
     scaled = blocks / torch.exp2(exponent.float())[..., None]
-    magnitude = scaled.abs().clamp(max=6.0)
-    code = torch.bucketize(magnitude, _E2M1_MIDPOINTS)  # a tie goes to the lower code ...
-    tie = magnitude == _E2M1_MIDPOINTS[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
-    code = code + (tie & (code % 2 == 1)).to(code.dtype)  # ... unless that code is odd: ties to even
-    code = code | ((scaled < 0) & (code != 0)).to(code.dtype) << 3
-    code = code.reshape(*weight.shape).to(torch.uint8)
+    magnitude = scaled.abs()
+    # The code = the midpoints below the magnitude, counted in uint8 (torch.bucketize was 7x slower).
+    # Midpoint i lies between codes i and i + 1; a magnitude on it goes to the even one.
+    code = torch.zeros(magnitude.shape, dtype=torch.uint8)
+    for i, midpoint in enumerate(_E2M1_MIDPOINTS.tolist()):
+        code += magnitude >= midpoint if i % 2 else magnitude > midpoint
+    code |= ((scaled < 0) & (code != 0)).to(torch.uint8) << 3
+    code = code.reshape(*weight.shape)
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
     return packed.contiguous(), (exponent + E8M0_BIAS).to(torch.uint8).contiguous()
 
