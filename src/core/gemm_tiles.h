@@ -37,7 +37,7 @@ void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_s
     block.values += g0 * w.group_bytes;
     block.scales += g0 * w.group_scale_bytes;
     block.groups = nv;
-    // Row blocks of even size (32 rows with MaxM = 5: 5,5,5,5,4,4,4, not 5 x 6 + 2): a tile of
+    // Row blocks of near-equal size (32 rows with MaxM = 5: 5,5,5,5,4,4,4, not 5 x 6 + 2): a tile of
     // few rows has too few accumulators to keep the multiply-add ports busy.
     const int blocks = ceil_div(m, MaxM);
     for (int b = 0, i0 = 0; b < blocks; ++b) {
