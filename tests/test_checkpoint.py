@@ -128,7 +128,7 @@ def test_nan_scale_is_rejected(tmp_path, experts):
 
 
 def test_missing_directory_and_no_weight_path(tmp_path):
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="weight_path does not exist.*nope"):
         wrapper(tmp_path / "nope").load_weights()
     with pytest.raises(ValueError, match="needs weight_path"):
         wrapper(None).load_weights()

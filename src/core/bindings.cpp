@@ -88,6 +88,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
 
   m.doc() = "kt_kernel compiled kernels, " KT_VARIANT_NAME " build";
   m.attr("VARIANT") = KT_VARIANT_NAME;
+  m.attr("MAX_DIMENSION") = kt::kMaxDimension;
 
   m.def("kernel_info", [] {
     const kt::KernelInfo info = kt::kernel_info();

@@ -20,6 +20,9 @@ KT_NAMESPACE_BEGIN
 using bf16_t = uint16_t;  // raw bfloat16 bits
 
 constexpr size_t kCacheLine = 64;
+// The largest hidden_size / moe_intermediate_size: sizes, strides and row offsets then stay far
+// from int overflow (round_up, packed group counts, row * stride products).
+constexpr int kMaxDimension = 1 << 24;
 
 constexpr int round_up(int value, int multiple) { return (value + multiple - 1) / multiple * multiple; }
 constexpr int ceil_div(int value, int divisor) { return (value + divisor - 1) / divisor; }

@@ -21,7 +21,10 @@ constexpr int kBlockCols = kBlockGroups * kGroupRows;
 // exp(x) as 2^n * 2^f, f in [0, 1) by a degree-6 polynomial (relative error ~1e-7): written so
 // the compiler vectorizes the SwiGLU loop with the variant's ISA.
 inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  // Written so NaN becomes -87 (maxps semantics): a NaN gate then gives NaN through the multiply,
+  // never an undefined float-to-int conversion below.
+  x = x > -87.0f ? x : -87.0f;
+  x = x < 88.0f ? x : 88.0f;
   const float t = x * 1.44269504088896341f;
   // floor(t) by truncation of t + 128 > 0: std::floor made this loop 6x slower (4 vs 0.7 ns per
   // element on this project's Xeon).
@@ -201,6 +204,8 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
   require(shape.top_k >= 1 && shape.top_k <= shape.num_experts,
           "num_experts_per_tok must be in [1, num_experts]");
   require(shape.hidden >= 1 && shape.intermediate >= 1, "hidden_size and moe_intermediate_size must be >= 1");
+  require(shape.hidden <= kMaxDimension && shape.intermediate <= kMaxDimension,
+          "hidden_size and moe_intermediate_size must be <= " + std::to_string(kMaxDimension));
   if (format == WeightFormat::kMxfp4 || format == WeightFormat::kInt4)
     require(shape.hidden % 32 == 0 && shape.intermediate % 32 == 0,
             "MXFP4 and INT4 need hidden_size and moe_intermediate_size to be multiples of 32");
@@ -216,11 +221,16 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
 }
 
 MoEEngine::~MoEEngine() {
-  if (pending_ && !ran_inline_) pool_.wait();
+  if (!pending_ || ran_inline_) return;
+  try {
+    pool_.wait();  // the workers write into buffers this object owns
+  } catch (...) {  // a forked child: the work is lost and nothing runs on these buffers
+  }
 }
 
 void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
                      const int64_t* source_of_slot) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot load weights while a forward is in flight; call sync first");
   const int E = shape_.num_experts, H = shape_.hidden, I = shape_.intermediate;
   for (int slot = 0; slot < E; ++slot)
@@ -253,10 +263,12 @@ void MoEEngine::gemm(const Activations& x, const PackedGroups& w, float* y, size
 
 void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
                        bf16_t* out) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   start(hidden, tokens, ids, weights, out, nullptr);
 }
 
 void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, float* out) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   start(hidden, tokens, ids, weights, nullptr, out);
 }
 
@@ -266,6 +278,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
   require(tokens >= 1, "the engine needs at least one token");
   const int E = shape_.num_experts, K = shape_.top_k;
+  require(int64_t(tokens) * K <= INT32_MAX, "tokens * num_experts_per_tok must be < 2^31");
 
   // Bucket the routed (token, expert) pairs by expert: count, then place.
   expert_rows_.assign(E, 0);
@@ -315,7 +328,13 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
     s.acc.reserve(size_t(tokens) * kBlockCols);
   }
 
-  hidden_in_ = hidden;
+  // The tokens are copied here, on the caller, so it may reuse `hidden` as soon as this returns.
+  const int H = shape_.hidden;
+  for (int t = 0; t < tokens; ++t) {
+    bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
+    std::memcpy(row, hidden + size_t(t) * H, H * sizeof(bf16_t));
+    std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
+  }
   out_ = out;
   out_f32_ = out_f32;
   tokens_ = tokens;
@@ -323,6 +342,8 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   down_tasks_ = ceil_div(packed_groups(shape_.hidden), kBlockGroups);
   next_gate_up_task_.store(0);
   next_down_task_.store(0);
+  failed_.store(false);
+  failure_ = nullptr;
   pending_ = true;
   // A tiny problem is done right here: handing it to the pool and waking this thread again would
   // cost more than the work.
@@ -334,12 +355,25 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
 }
 
 void MoEEngine::sync() {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (!pending_) throw std::logic_error("sync without a submitted forward");
-  if (!ran_inline_) pool_.wait();
   pending_ = false;
+  if (!ran_inline_) pool_.wait();
+  if (failed_.load()) std::rethrow_exception(failure_);
+}
+
+template <typename Task>
+void MoEEngine::guarded(Task task) noexcept {
+  if (failed_.load(std::memory_order_relaxed)) return;
+  try {
+    task();
+  } catch (...) {
+    if (!failed_.exchange(true)) failure_ = std::current_exception();
+  }
 }
 
 void MoEEngine::release_scratch() {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
   hidden_.release();
   activation_.release();
@@ -349,25 +383,22 @@ void MoEEngine::release_scratch() {
 }
 
 std::vector<std::vector<int>> MoEEngine::worker_cpus() {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot query the workers while a forward is in flight");
   return pool_.worker_cpus();
 }
 
-// One worker's part of the call: copy tokens in, gate/up tasks, down tasks, phases separated by
-// barrier() (a no-op when one thread does everything). Kernels that read int8 activations get each
-// token and each intermediate row quantized once, whole (one scale per row), before the projections read it.
+// One worker's part of the call: gate/up tasks, then down tasks, phases separated by barrier() (a
+// no-op when one thread does everything). Kernels that read int8 activations get each token and each
+// intermediate row quantized once, whole (one scale per row), before the projections read it.
 template <typename Barrier>
 void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
-  const int H = shape_.hidden;
-  for (int t = worker; t < tokens_; t += workers) {
-    bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
-    std::memcpy(row, hidden_in_ + size_t(t) * H, H * sizeof(bf16_t));
-    std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
-    if (quantized_activations_) hidden_q_.quantize(t, row, H, format_);
-  }
+  if (quantized_activations_)
+    for (int t = worker; t < tokens_; t += workers)
+      hidden_q_.quantize(t, hidden_.data() + size_t(t) * hidden_stride_, shape_.hidden, format_);
   barrier();
   for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
-    gate_up_task(task, scratch_[worker]);
+    guarded([&] { gate_up_task(task, scratch_[worker]); });
   barrier();
   if (quantized_activations_) {
     for (int row = worker; row < route_offset_.back(); row += workers)
@@ -376,7 +407,7 @@ void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
     barrier();
   }
   for (int block; (block = next_down_task_.fetch_add(1, std::memory_order_relaxed)) < down_tasks_;)
-    down_task(block, scratch_[worker]);
+    guarded([&] { down_task(block, scratch_[worker]); });
 }
 
 // One expert x one block of intermediate rows: gate and up for all its tokens, then SwiGLU.
@@ -461,6 +492,7 @@ MoEEngine& MoESubpools::engine(int index) {
 
 void MoESubpools::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
                          bf16_t* out) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
   if (size() == 1) {
     engines_[0]->submit(hidden, tokens, ids, weights, out);
@@ -482,9 +514,18 @@ void MoESubpools::submit(const bf16_t* hidden, int tokens, const int64_t* ids, c
 }
 
 void MoESubpools::sync() {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (!pending_) throw std::logic_error("sync without a submitted forward");
   pending_ = false;
-  for (std::unique_ptr<MoEEngine>& engine : engines_) engine->sync();
+  std::exception_ptr failure;
+  for (std::unique_ptr<MoEEngine>& engine : engines_) {
+    try {
+      engine->sync();  // every engine, even after one failed: none may be left in flight
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
   if (size() == 1) return;
   if (out_count_ <= kInlineReduceValues) return sum_to_bf16(partials_, 0, out_count_, out_);
   // Global worker g of `workers` (all subpools' threads, just back from the forward and still
@@ -505,6 +546,7 @@ void MoESubpools::sync() {
 }
 
 void MoESubpools::release_scratch() {
+  std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
   for (std::unique_ptr<MoEEngine>& engine : engines_) engine->release_scratch();
   for (AlignedBuffer<float>& partial : partials_) partial.release();

@@ -3,6 +3,8 @@
 // for the routed experts kept on the CPU. See DESIGN.md, "Data flow of one forward call".
 #pragma once
 
+#include <exception>
+#include <mutex>
 #include <vector>
 
 #include "common.h"
@@ -97,11 +99,13 @@ class MoEEngine {
             const int64_t* source_of_slot);
 
   // Starts a forward over `tokens` rows and returns at once (a tiny one is computed right away).
-  // Routing is read (and checked) here; hidden (bf16 [tokens, hidden]) and out (bf16 [tokens,
-  // hidden]) must stay valid until sync(). An fp32 `out` gets the sums before rounding (a subpool's
-  // partial output, see MoESubpools).
+  // Routing and hidden (bf16 [tokens, hidden]) are read here, so the caller may reuse them at once;
+  // out (bf16 [tokens, hidden]) must stay valid until sync(). An fp32 `out` gets the sums before
+  // rounding (a subpool's partial output, see MoESubpools). Every public method may be called from
+  // any thread: they take turns.
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, float* out);
+  // Waits for the forward; rethrows what a worker threw (std::bad_alloc from a kernel, say).
   void sync();
   bool pending() const { return pending_; }
   // Frees the per-call scratch buffers (they grow back on the next call).
@@ -120,11 +124,16 @@ class MoEEngine {
              float* out_f32);
   template <typename Barrier>
   void forward_worker(int worker, int workers, Barrier barrier);
+  // Runs one task of a worker; the first exception is kept for sync() and the rest of the call's
+  // tasks are skipped (a throw must not leave a worker, nor skip a barrier).
+  template <typename Task>
+  void guarded(Task task) noexcept;
   void gate_up_task(int task, ThreadScratch& scratch);
   void down_task(int block, ThreadScratch& scratch);
   void pack(PackedProjection& dst, SourceProjection src, int slot, size_t source);
   void gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const;
 
+  std::mutex api_mutex_;  // held by each public method: callers on several threads take turns
   const MoEShape shape_;
   const WeightFormat format_;
   const bool quantized_activations_;  // quantizes_activations(format_)
@@ -137,7 +146,6 @@ class MoEEngine {
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
 
   // State of the call in flight.
-  const bf16_t* hidden_in_ = nullptr;
   bf16_t* out_ = nullptr;       // one of these two is set
   float* out_f32_ = nullptr;
   int tokens_ = 0;
@@ -151,6 +159,8 @@ class MoEEngine {
   QuantizedBuffer hidden_q_, activation_q_;  // the same rows quantized (integer formats)
   std::vector<ThreadScratch> scratch_;
   std::atomic<int> next_gate_up_task_{0}, next_down_task_{0};
+  std::atomic<bool> failed_{false};
+  std::exception_ptr failure_;  // the first exception of the call in flight; set once failed_ is won
   int gate_up_tasks_ = 0, down_tasks_ = 0;
 
   ThreadPool pool_;
@@ -182,6 +192,7 @@ class MoESubpools {
   void release_scratch();
 
  private:
+  std::mutex api_mutex_;  // as MoEEngine's
   // Declared first so it is destroyed last: an engine's destructor waits for a forward in flight.
   std::vector<AlignedBuffer<float>> partials_;  // per subpool [tokens, hidden], first touched by its threads
   std::vector<std::unique_ptr<MoEEngine>> engines_;

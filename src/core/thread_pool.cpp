@@ -1,12 +1,14 @@
 #include "thread_pool.h"
 
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 
 KT_NAMESPACE_BEGIN
@@ -69,36 +71,76 @@ std::vector<int> this_thread_cpus() {
   return {};
 }
 
-}  // namespace
+// Bumped in every fork() child (pthread_atfork), so a pool can tell it lost its threads without a
+// system call per job.
+std::atomic<uint64_t> fork_generation{0};
 
-ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus) {
-  for (int cpu : cpus)
-    if (cpu < 0) throw std::invalid_argument("CPU ids must be >= 0");
-  workers_.reserve(threads);
-  for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { worker_main(i); });
-  if (cpus.empty()) return;
-  // Each worker pins itself before its first real job, so the memory it first touches (the packed
-  // weights) is placed on its node.
-  std::vector<int> errors(threads, 0);
-  run([&](int worker) { errors[worker] = pin_this_thread(cpus); });
-  for (int error : errors)
-    if (error != 0) {
-      stop();  // the destructor does not run for a half-built object
-      throw std::system_error(error, std::generic_category(), "cannot pin a worker thread to its CPUs");
-    }
+uint64_t current_fork_generation() {
+  static const int registered = pthread_atfork(nullptr, nullptr, [] { fork_generation.fetch_add(1); });
+  (void)registered;
+  return fork_generation.load(std::memory_order_relaxed);
 }
 
-ThreadPool::~ThreadPool() { stop(); }
+}  // namespace
 
-void ThreadPool::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-    generation_.fetch_add(1);
+ThreadPool::ThreadPool(int threads, const std::vector<int>& cpus) : threads_(threads), cpus_(cpus) {
+  if (threads < 1) throw std::invalid_argument("a thread pool needs at least one thread");
+  for (int cpu : cpus)
+    if (cpu < 0) throw std::invalid_argument("CPU ids must be >= 0");
+  spawn();
+}
+
+ThreadPool::~ThreadPool() {
+  if (forked()) {
+    (void)workers_.release();  // the parent's threads: nothing to join here (see Workers)
+    return;
   }
-  job_posted_.notify_all();
-  for (std::thread& worker : workers_)
-    if (worker.joinable()) worker.join();
+  stop(*workers_);
+}
+
+void ThreadPool::spawn() {
+  workers_ = std::make_unique<Workers>();
+  spawned_in_fork_generation_ = current_fork_generation();
+  Workers& w = *workers_;
+  w.threads.reserve(threads_);
+  std::vector<int> errors(threads_, 0);
+  try {
+    for (int i = 0; i < threads_; ++i) {
+      try {
+        w.threads.emplace_back([&w, i] { worker_main(w, i); });
+      } catch (const std::system_error& error) {
+        throw std::system_error(error.code(), "cannot start worker thread " + std::to_string(i + 1) + " of " +
+                                                  std::to_string(threads_));
+      }
+    }
+    // Each worker pins itself before its first real job, so the memory it first touches (the
+    // packed weights) is placed on its node.
+    if (!cpus_.empty()) run([&](int worker) { errors[worker] = pin_this_thread(cpus_); });
+    for (int error : errors)
+      if (error != 0) throw std::system_error(error, std::generic_category(), "cannot pin a worker thread to its CPUs");
+  } catch (...) {
+    stop(w);
+    spawned_in_fork_generation_ = kNoWorkers;  // the next job tries again
+    throw;
+  }
+}
+
+bool ThreadPool::forked() const { return current_fork_generation() != spawned_in_fork_generation_; }
+
+void ThreadPool::respawn_after_fork() {
+  (void)workers_.release();  // see Workers: left as the fork copied it (or a failed spawn left it)
+  spawn();
+}
+
+void ThreadPool::stop(Workers& w) {
+  {
+    std::lock_guard<std::mutex> lock(w.mutex);
+    w.stopping = true;
+    w.generation.fetch_add(1);
+  }
+  w.job_posted.notify_all();
+  for (std::thread& thread : w.threads)
+    if (thread.joinable()) thread.join();
 }
 
 std::vector<std::vector<int>> ThreadPool::worker_cpus() {
@@ -113,50 +155,60 @@ std::vector<std::vector<int>> ThreadPool::worker_cpus() {
 }
 
 void ThreadPool::start(std::function<void(int)> job) {
+  if (forked()) respawn_after_fork();
+  Workers& w = *workers_;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    job_ = std::move(job);
-    unfinished_.store(size());
-    generation_.fetch_add(1, std::memory_order_release);
+    std::lock_guard<std::mutex> lock(w.mutex);
+    w.job = std::move(job);
+    w.unfinished.store(size());
+    w.generation.fetch_add(1, std::memory_order_release);
   }
-  job_posted_.notify_all();
+  w.job_posted.notify_all();
 }
 
 void ThreadPool::wait() {
+  if (forked()) {
+    const bool lost = workers_->unfinished.load() != 0;
+    respawn_after_fork();
+    if (lost) throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
+    return;
+  }
   // No spinning here: the waiting (Python) thread would take a core from the workers.
-  std::unique_lock<std::mutex> lock(mutex_);
-  job_finished_.wait(lock, [this] { return unfinished_.load(std::memory_order_acquire) == 0; });
+  Workers& w = *workers_;
+  std::unique_lock<std::mutex> lock(w.mutex);
+  w.job_finished.wait(lock, [&w] { return w.unfinished.load(std::memory_order_acquire) == 0; });
 }
 
 void ThreadPool::barrier() {
-  const uint32_t round = barrier_round_.load(std::memory_order_acquire);
-  if (barrier_arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == size()) {
-    barrier_arrived_.store(0, std::memory_order_relaxed);
-    barrier_round_.fetch_add(1, std::memory_order_release);
+  Workers& w = *workers_;
+  const uint32_t round = w.barrier_round.load(std::memory_order_acquire);
+  if (w.barrier_arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size()) {
+    w.barrier_arrived.store(0, std::memory_order_relaxed);
+    w.barrier_round.fetch_add(1, std::memory_order_release);
     return;
   }
-  while (barrier_round_.load(std::memory_order_acquire) == round) {
-    if (!spin_until([&] { return barrier_round_.load(std::memory_order_acquire) != round; }))
+  while (w.barrier_round.load(std::memory_order_acquire) == round) {
+    if (!spin_until([&] { return w.barrier_round.load(std::memory_order_acquire) != round; }))
       std::this_thread::yield();  // more threads than cores: let the others reach the barrier
   }
 }
 
-void ThreadPool::worker_main(int index) {
+void ThreadPool::worker_main(Workers& w, int index) {
   uint64_t seen = 0;
   for (;;) {
-    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      job_posted_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+    if (!spin_until([&] { return w.generation.load(std::memory_order_acquire) != seen; })) {
+      std::unique_lock<std::mutex> lock(w.mutex);
+      w.job_posted.wait(lock, [&] { return w.generation.load(std::memory_order_acquire) != seen; });
     }
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_) return;
-      seen = generation_.load(std::memory_order_acquire);
+      std::lock_guard<std::mutex> lock(w.mutex);
+      if (w.stopping) return;
+      seen = w.generation.load(std::memory_order_acquire);
     }
-    job_(index);  // start() replaces job_ only after wait(), i.e. when no worker is inside it
-    if (unfinished_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      job_finished_.notify_all();
+    w.job(index);  // start() replaces job only after wait(), i.e. when no worker is inside it
+    if (w.unfinished.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(w.mutex);
+      w.job_finished.notify_all();
     }
   }
 }

@@ -2,11 +2,15 @@
 // start() returns at once (that is what makes submit_forward asynchronous); wait() blocks until
 // every worker has finished. Inside a job, barrier() separates phases. Optionally every worker
 // pins itself to a set of CPUs (a NUMA node's) before it runs anything else.
+//
+// After fork() the child has none of the workers: the pool starts new ones on its next job. A job
+// that was in flight at the fork cannot finish in the child; wait() says so with an exception.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -17,14 +21,14 @@ KT_NAMESPACE_BEGIN
 
 class ThreadPool {
  public:
-  // cpus: the CPUs each worker may run on (empty: no pinning). Throws std::system_error when
-  // the kernel refuses the set.
+  // cpus: the CPUs each worker may run on (empty: no pinning). Throws std::system_error when a
+  // thread cannot be started or the kernel refuses the CPU set; nothing is left running then.
   explicit ThreadPool(int threads, const std::vector<int>& cpus = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return int(workers_.size()); }
+  int size() const { return threads_; }
   // The job must not throw: it runs on worker threads and a throw there would abort.
   void start(std::function<void(int)> job);
   void wait();
@@ -38,18 +42,33 @@ class ThreadPool {
   std::vector<std::vector<int>> worker_cpus();
 
  private:
-  void worker_main(int index);
-  void stop();
+  // The threads and everything they synchronize on. Replaced whole in a forked child, where the
+  // parent's copy is left alone: its threads do not exist there, and destroying a condition
+  // variable they waited on would block forever.
+  struct Workers {
+    std::vector<std::thread> threads;
+    std::function<void(int)> job;
+    std::mutex mutex;
+    std::condition_variable job_posted, job_finished;
+    std::atomic<uint64_t> generation{0};  // bumped for every job; workers spin on it, then sleep
+    std::atomic<int> unfinished{0};
+    bool stopping = false;  // guarded by mutex
+    std::atomic<int> barrier_arrived{0};
+    std::atomic<uint32_t> barrier_round{0};
+  };
 
-  std::vector<std::thread> workers_;
-  std::function<void(int)> job_;
-  std::mutex mutex_;
-  std::condition_variable job_posted_, job_finished_;
-  std::atomic<uint64_t> generation_{0};  // bumped for every job; workers spin on it, then sleep
-  std::atomic<int> unfinished_{0};
-  bool stopping_ = false;  // guarded by mutex_
-  std::atomic<int> barrier_arrived_{0};
-  std::atomic<uint32_t> barrier_round_{0};
+  void spawn();          // new Workers with threads_ running threads, pinned to cpus_
+  bool forked() const;   // the workers are not this process's (a fork() child, or a failed spawn)
+  void respawn_after_fork();
+  static void stop(Workers& workers);
+  static void worker_main(Workers& workers, int index);
+
+  static constexpr uint64_t kNoWorkers = ~uint64_t(0);  // a failed spawn: never a fork generation
+
+  const int threads_;
+  const std::vector<int> cpus_;
+  uint64_t spawned_in_fork_generation_ = 0;
+  std::unique_ptr<Workers> workers_;
 };
 
 KT_NAMESPACE_END

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import errno
+import os
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +21,8 @@ IMPLEMENTED_FORMATS = ("BF16", "MXFP4", "INT8", "INT4")
 _FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: INT8 sums stay exact in int32 up to this many inputs.
 INT8_MAX_K = 65536
+#: At most this many worker threads per CPU this process may run on (more only time-slice).
+THREADS_PER_CPU_LIMIT = 4
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -28,10 +34,15 @@ def _require_int(name: str, value: object, minimum: int) -> int:
 
 
 def _require_cpu_tensor(name: str, value: object) -> torch.Tensor:
+    """A dense CPU tensor whose memory holds its values (a negative view is resolved)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
     if not value.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got device {value.device}")
+    if value.is_neg():  # torch._neg_view: the engine reads memory, which holds the values unnegated
+        value = value.resolve_neg()
     return value
 
 
@@ -137,7 +148,16 @@ class KTMoEWrapper:
             )
         self.hidden_size = _require_int("hidden_size", hidden_size, 1)
         self.moe_intermediate_size = _require_int("moe_intermediate_size", moe_intermediate_size, 1)
+        for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", moe_intermediate_size)):
+            if size > ext.MAX_DIMENSION:
+                raise ValueError(f"{name} must be <= {ext.MAX_DIMENSION}, got {size}")
         self.cpuinfer_threads = _require_int("cpuinfer_threads", cpuinfer_threads, 1)
+        usable_cpus = len(os.sched_getaffinity(0))
+        if cpuinfer_threads > THREADS_PER_CPU_LIMIT * usable_cpus:
+            raise ValueError(
+                f"cpuinfer_threads={cpuinfer_threads} is more than {THREADS_PER_CPU_LIMIT} x the {usable_cpus} "
+                "CPUs this process may run on; extra threads would only take turns on the same CPUs"
+            )
         self.threadpool_count = _require_int("threadpool_count", threadpool_count, 1)
         if threadpool_count > cpuinfer_threads:
             raise ValueError(
@@ -158,7 +178,12 @@ class KTMoEWrapper:
             torch.nonzero(self.gpu_experts_mask).flatten().tolist()
         )
         self._loaded = False
-        self._in_flight: tuple[torch.Tensor, ...] | None = None
+        # _lock guards the engines and _in_flight: every method takes turns on it, so calls from
+        # several Python threads are serialized (or refused while a forward is in flight).
+        # _forward_lock makes forward() (submit + sync) one turn.
+        self._lock = threading.Lock()
+        self._forward_lock = threading.Lock()
+        self._in_flight: torch.Tensor | None = None  # the output of the forward in flight
         KTMoEWrapper._instances.add(self)
 
     # ---- construction helpers ---------------------------------------------------------------
@@ -217,8 +242,9 @@ class KTMoEWrapper:
     def worker_cpus(self) -> list[list[list[int]]]:
         """Per subpool, per worker thread: the CPUs the kernel lets that thread run on, read by the
         thread itself (sched_getaffinity), so pinning can be checked."""
-        self._require_idle("query the worker threads")
-        return [sp.engine.worker_cpus() for sp in self._subpools]
+        with self._lock:
+            self._require_idle("query the worker threads")
+            return [sp.engine.worker_cpus() for sp in self._subpools]
 
     def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
         if mask is None:
@@ -255,7 +281,22 @@ class KTMoEWrapper:
         physical slot p holds; topk_ids name physical slots. Default: identity.
         Nothing refers to the given tensors after this returns.
         """
-        self._require_idle("load weights")
+        with self._lock:
+            self._require_idle("load weights")
+            self._load_weights_from_tensors(
+                gate_proj, up_proj, down_proj, physical_to_logical_map_cpu, gate_scale, up_scale, down_scale
+            )
+
+    def _load_weights_from_tensors(
+        self,
+        gate_proj: torch.Tensor,
+        up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        physical_to_logical_map_cpu: torch.Tensor | None,
+        gate_scale: torch.Tensor | None,
+        up_scale: torch.Tensor | None,
+        down_scale: torch.Tensor | None,
+    ) -> None:
         weights = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
         scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
         given = [name for name, scale in scales.items() if scale is not None]
@@ -264,10 +305,10 @@ class KTMoEWrapper:
         if given and len(given) != 3:
             raise ValueError("pass all of gate_scale, up_scale and down_scale, or none of them")
         for name, tensor in weights.items():
-            _require_cpu_tensor(name, tensor)
+            weights[name] = tensor = _require_cpu_tensor(name, tensor)
             if tensor.dim() != 3:
                 raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
-        sources = gate_proj.shape[0]
+        sources = weights["gate_proj"].shape[0]
         slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
         if given and self.method == "MXFP4":
             canonical = self._canonical_mxfp4(weights, scales, sources)
@@ -422,6 +463,8 @@ class KTMoEWrapper:
         """
         if self.weight_path is None:
             raise ValueError("load_weights needs weight_path (a checkpoint directory)")
+        if not os.path.exists(self.weight_path):
+            raise FileNotFoundError(errno.ENOENT, "weight_path does not exist", str(self.weight_path))
         sources = self.num_experts
         if physical_to_logical_map_cpu is not None:
             sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
@@ -450,9 +493,12 @@ class KTMoEWrapper:
         topk_weights: torch.Tensor,
         cuda_stream: object | None = None,
     ) -> torch.Tensor:
-        """Compute the routed experts for hidden_states [T, H] bf16; returns a new [T, H] bf16 tensor."""
-        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
-        return self.sync_forward(hidden_states, cuda_stream)
+        """Compute the routed experts for hidden_states [T, H] bf16; returns a new [T, H] bf16 tensor.
+
+        Calls from several threads on one wrapper run one after another."""
+        with self._forward_lock:
+            self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+            return self.sync_forward(hidden_states, cuda_stream)
 
     def submit_forward(
         self,
@@ -461,32 +507,59 @@ class KTMoEWrapper:
         topk_weights: torch.Tensor,
         cuda_stream: object | None = None,
     ) -> None:
-        """Start a forward and return at once; ``sync_forward`` waits for it and returns the output."""
-        if not self._loaded:
-            raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
-        self._require_idle("submit a forward")
-        x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
-        out = torch.empty_like(x)
-        if x.shape[0] > 0:
-            # _check_inputs made them contiguous with the engine's dtypes and shapes.
-            self._layer.submit_addresses(
-                x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), out.data_ptr()
-            )
-        self._in_flight = (x, ids, weights, out)  # the engines read / write these until sync
+        """Start a forward and return at once; ``sync_forward`` waits for it and returns the output.
+
+        The inputs are read before this returns: the caller may overwrite them at once."""
+        with self._lock:
+            if not self._loaded:
+                raise RuntimeError(
+                    "this wrapper is closed" if self._layer is None
+                    else "weights are not loaded: call load_weights_from_tensors first"
+                )
+            self._require_idle("submit a forward")
+            x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
+            out = torch.empty_like(x)
+            if x.shape[0] > 0:
+                # _check_inputs made them contiguous with the engine's dtypes and shapes.
+                self._layer.submit_addresses(
+                    x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), out.data_ptr()
+                )
+            self._in_flight = out  # the engines write it until sync
 
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None
     ) -> torch.Tensor:
         """Wait for the forward started by ``submit_forward`` and return its [T, H] bf16 output."""
-        if self._in_flight is None:
-            raise RuntimeError("sync_forward called without a submit_forward")
-        x, _, _, out = self._in_flight
-        try:
-            if x.shape[0] > 0:
-                self._layer.sync()  # with subpools: also sums their partial outputs into out
-        finally:
-            self._in_flight = None
-        return out
+        with self._lock:
+            out = self._in_flight
+            if out is None:
+                raise RuntimeError("sync_forward called without a submit_forward")
+            try:
+                if out.shape[0] > 0:
+                    self._layer.sync()  # with subpools: also sums their partial outputs into out
+            finally:
+                self._in_flight = None
+            return out
+
+    def close(self) -> None:
+        """Wait for a forward in flight, then free the weights and stop the worker threads.
+
+        Later calls raise RuntimeError. Runs by itself when the wrapper is garbage-collected and,
+        for every wrapper still alive, when the interpreter exits."""
+        with self._lock:
+            try:
+                if self._in_flight is not None and self._in_flight.shape[0] > 0:
+                    self._layer.sync()
+            except RuntimeError:
+                pass  # a forward lost to fork(): nothing of it runs any more
+            finally:
+                self._in_flight = None
+                self._loaded = False
+                self._layer, self._subpools = None, []
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock", None) is not None:  # __init__ got that far
+            self.close()
 
     def _check_inputs(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -504,6 +577,8 @@ class KTMoEWrapper:
         weights = _require_cpu_tensor("topk_weights", topk_weights)
         if not weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights must be a floating-point tensor, got {weights.dtype}")
+        if x.shape[0] * self.num_experts_per_tok >= 2**31:
+            raise ValueError(f"hidden_states has too many tokens ({x.shape[0]}) for one call")
         expected = (x.shape[0], self.num_experts_per_tok)
         _require_shape("topk_ids", ids, expected, "[tokens, num_experts_per_tok]")
         _require_shape("topk_weights", weights, expected, "[tokens, num_experts_per_tok]")
@@ -516,6 +591,8 @@ class KTMoEWrapper:
         return x.contiguous(), ids.contiguous(), weights.contiguous()
 
     def _require_idle(self, action: str) -> None:
+        if self._layer is None:
+            raise RuntimeError(f"cannot {action}: this wrapper is closed")
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
 
@@ -531,10 +608,28 @@ class KTMoEWrapper:
 
     @classmethod
     def clear_buffer_cache(cls) -> None:
-        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand)."""
+        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand).
+        A wrapper busy on another thread keeps its buffers."""
         for wrapper in list(cls._instances):
-            if wrapper._in_flight is None:
-                wrapper._layer.release_scratch()
+            if not wrapper._lock.acquire(blocking=False):
+                continue
+            try:
+                if wrapper._in_flight is None and wrapper._layer is not None:
+                    wrapper._layer.release_scratch()
+            finally:
+                wrapper._lock.release()
+
+    @classmethod
+    def _close_all(cls) -> None:
+        for wrapper in list(cls._instances):
+            wrapper.close()
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        # Another thread of the parent may have held a lock at the fork; it does not exist here.
+        for wrapper in list(cls._instances):
+            wrapper._lock = threading.Lock()
+            wrapper._forward_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -543,3 +638,8 @@ class KTMoEWrapper:
             f"moe_intermediate_size={self.moe_intermediate_size}, method={self.method!r}, "
             f"cpuinfer_threads={self.cpuinfer_threads}, threadpool_count={self.threadpool_count})"
         )
+
+
+# At exit, forwards in flight finish and the engines go before the extension module does.
+atexit.register(KTMoEWrapper._close_all)
+os.register_at_fork(after_in_child=KTMoEWrapper._after_fork_in_child)
