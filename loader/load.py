@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import stat
 import sys
 import warnings
 from collections.abc import Callable
@@ -13,6 +14,8 @@ from types import ModuleType
 from .select import Selection, explain_variant, fallback_order
 
 PROC_CPUINFO = "/proc/cpuinfo"
+#: Far above the /proc/cpuinfo of any real machine (about 1.5 KiB per logical CPU).
+MAX_CPUINFO_BYTES = 4 << 20
 
 
 def debug(message: str) -> None:
@@ -21,18 +24,40 @@ def debug(message: str) -> None:
         print(f"[kt-kernel] {message}", file=sys.stderr)
 
 
+def _read_text(path: str, limit: int = MAX_CPUINFO_BYTES) -> str:
+    """At most ``limit`` bytes of a regular file, decoded; OSError otherwise. Regular is decided by
+    stat before opening (opening a FIFO blocks); the size is not, since /proc files report 0."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"{path} is not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in still opens at once
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(f"{path} is larger than {limit} bytes")
+    return data.decode("utf-8", errors="replace")
+
+
 def read_cpuinfo() -> tuple[str, str]:
     """The CPU description as /proc/cpuinfo text, and where it came from.
 
-    KT_KERNEL_CPUINFO names another file (recorded cpuinfo; used by the tests). Without
-    /proc/cpuinfo, py-cpuinfo's CPUID flags are written as one 'flags' line.
+    KT_KERNEL_CPUINFO names another file (recorded cpuinfo; used by the tests): one that cannot be
+    read is an ImportError, not a silent fall back to this CPU. Without a readable /proc/cpuinfo,
+    py-cpuinfo's CPUID flags are written as one 'flags' line.
     """
-    path = os.environ.get("KT_KERNEL_CPUINFO") or PROC_CPUINFO
+    override = os.environ.get("KT_KERNEL_CPUINFO")
+    if override:
+        try:
+            return _read_text(override), override
+        except OSError as error:
+            raise ImportError(
+                f"kt_kernel: cannot read {override!r}, the file KT_KERNEL_CPUINFO names ({error})"
+            ) from error
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(), path
+        return _read_text(PROC_CPUINFO), PROC_CPUINFO
     except OSError as error:
-        debug(f"cannot read {path} ({error}); asking py-cpuinfo")
+        debug(f"cannot read {PROC_CPUINFO} ({error}); asking py-cpuinfo")
     import cpuinfo  # py-cpuinfo
 
     flags = cpuinfo.get_cpu_info().get("flags", [])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # INT8 and INT4 are tested once the engine runs them; their conversion is tested without the engine.
 needs_int = pytest.mark.skipif("INT8" not in IMPLEMENTED_FORMATS, reason="INT8/INT4 not in the engine yet")
 FORMATS = ["BF16", "MXFP4", pytest.param("INT8", marks=needs_int), pytest.param("INT4", marks=needs_int)]
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (a converter killed while writing)."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    return int(child.stdout)
 
 
 def fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +148,7 @@ def test_converted_forward_matches_source_weights(tmp_path, models, naming, dtyp
     manifest = convert.convert_checkpoint(source, tmp_path / "out", fmt, progress=False)
     assert sorted(manifest["layers"]) == ["1", "2"] and manifest["format"] == fmt
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "kt_manifest.json", "layer_001.safetensors", "layer_002.safetensors",
+        ".kt_manifest.lock", "kt_manifest.json", "layer_001.safetensors", "layer_002.safetensors",
     ]  # fmt: skip
     for layer, p in problems.items():
         moe = moe_wrapper(E, K, H, I, layer_idx=layer, weight_path=str(tmp_path / "out"), method=fmt)
@@ -196,24 +204,28 @@ def test_fp8_block_dequantization_matches_reference():
 def test_resume_after_an_interrupted_run(tmp_path, models, monkeypatch):
     source, problems = models("mixtral", torch.bfloat16)
     out = tmp_path / "out"
-    real_save = convert.save_file
+    real_write = convert.write_safetensors
 
-    def crash_while_writing_layer_2(tensors, filename, metadata=None):
-        if "layer_002" in filename:
-            Path(filename).write_bytes(b"half a file")
+    def crash_while_writing_layer_2(tensors, path, metadata):
+        if "layer_002" in path.name:
+            path.write_bytes(b"half a file")
             raise KeyboardInterrupt
-        real_save(tensors, filename, metadata)
+        real_write(tensors, path, metadata)
 
-    monkeypatch.setattr(convert, "save_file", crash_while_writing_layer_2)
+    monkeypatch.setattr(convert, "write_safetensors", crash_while_writing_layer_2)
     with pytest.raises(KeyboardInterrupt):
         convert.convert_checkpoint(source, out, "MXFP4", progress=False)
-    assert sorted(p.name for p in out.iterdir()) == ["kt_manifest.json", "layer_001.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".kt_manifest.lock",
+        "kt_manifest.json",
+        "layer_001.safetensors",
+    ]
     assert list(json.loads((out / "kt_manifest.json").read_text())["layers"]) == ["1"]
     with pytest.raises(CheckpointError, match="layer 2 is not in the converted checkpoint"):
         checkpoint.read_converted_layer(out, 2, E, "MXFP4")
     monkeypatch.undo()
 
-    (out / ".layer_002.safetensors.12345.tmp").write_bytes(b"left by a killed run")
+    (out / f".layer_002.safetensors.{dead_pid()}.tmp").write_bytes(b"left by a killed run")
     done_before = (out / "layer_001.safetensors").stat().st_mtime_ns
     converted = []
     real_convert = convert._convert_layer
@@ -225,6 +237,7 @@ def test_resume_after_an_interrupted_run(tmp_path, models, monkeypatch):
     convert.convert_checkpoint(source, out, "MXFP4", resume=True, progress=False)
     assert converted == [2] and (out / "layer_001.safetensors").stat().st_mtime_ns == done_before
     assert sorted(p.name for p in out.iterdir()) == [
+        ".kt_manifest.lock",
         "kt_manifest.json",
         "layer_001.safetensors",
         "layer_002.safetensors",
@@ -265,10 +278,10 @@ def test_cli_layers_subset_resume_and_format_clash(tmp_path, models, capsys):
 
 
 def test_parse_layers():
-    assert convert.parse_layers("0-3") == [0, 1, 2, 3]
-    assert convert.parse_layers("5") == [5]
-    assert convert.parse_layers("7,0-2") == [0, 1, 2, 7]
-    for bad in ("3-1", "a", "1-2-3", ""):
+    assert convert.parse_layers("0-3") == [range(0, 4)]
+    assert convert.parse_layers("5") == [range(5, 6)]
+    assert convert.parse_layers("7, 0-2") == [range(7, 8), range(0, 3)]
+    for bad in ("3-1", "a", "1-2-3", "", "²"):
         with pytest.raises(ValueError, match="--layers"):
             convert.parse_layers(bad)
 

@@ -134,7 +134,8 @@ def test_fallback_to_next_build_warns(monkeypatch, tmp_path):
 
 
 def test_py_cpuinfo_is_used_without_proc_cpuinfo(monkeypatch):
-    monkeypatch.setenv("KT_KERNEL_CPUINFO", "/nonexistent/cpuinfo")
+    monkeypatch.delenv("KT_KERNEL_CPUINFO", raising=False)
+    monkeypatch.setattr(loader.load, "PROC_CPUINFO", "/nonexistent/cpuinfo")
     text, source = loader.read_cpuinfo()
     assert source == "py-cpuinfo"
     assert select_variant(text) in ("avx512", "avx2")  # py-cpuinfo's CPUID names know no AMX

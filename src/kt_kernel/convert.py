@@ -20,14 +20,20 @@ Output, in OUTPUT_DIR: ``layer_{L:03d}.safetensors`` per layer with
 ``blk.{L}.ffn_{gate,up,down}_exps.weight`` (the format's values, ``[E, N, K...]``) and, except
 BF16, ``blk.{L}.ffn_{gate,up,down}_exps.scale``; and ``kt_manifest.json`` (format, group size,
 per-layer shapes and file, source, tool version). Every file is written under a temporary name
-and renamed when complete, the manifest after each layer, so an interrupted run leaves only
-complete layers behind; ``resume=True`` skips them. Peak memory is about one layer's converted
-experts: the source is read and quantized one expert at a time.
+``.NAME.PID.tmp`` and renamed when complete, the manifest after each layer, so an interrupted run
+leaves only complete layers behind; ``resume=True`` skips them. The files are deterministic: a
+resumed run gives the bytes of an uninterrupted one. Each manifest update holds an exclusive
+``flock`` on ``.kt_manifest.lock`` and merges this run's layers into the manifest as it is on disk,
+so runs converting different layers into one OUTPUT_DIR at the same time all land their layers; a
+run deletes only the temporary files of processes no longer alive. Peak memory is about one
+layer's converted experts: the source is read and quantized one expert at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import itertools
 import json
 import os
 import re
@@ -39,8 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
 from . import __version__, quant
 from .checkpoint import (
@@ -52,12 +57,18 @@ from .checkpoint import (
     converted_tensor_name,
     index_checkpoint,
     read_manifest,
+    read_safetensors_header,
 )
 
 FP8_BLOCK = 128
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _FP8_DTYPE = "F8_E4M3"
 _PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
+LOCK_NAME = ".kt_manifest.lock"
+_TEMPORARY = re.compile(r"^\.(?:layer_\d+\.safetensors|kt_manifest\.json)\.(?P<pid>\d+)\.tmp$")
+_SAFETENSORS_DTYPES = {
+    torch.uint8: "U8", torch.int8: "I8", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -154,6 +165,11 @@ class ExpertSource:
     def key(self, projection: int, layer: int, expert: int) -> str:
         return self.naming.keys[projection].format(prefix=self.prefix, layer=layer, expert=expert)
 
+    def describe_weight(self, projection: int, layer: int, expert: int) -> str:
+        """The checkpoint key of one expert's weight, for messages (fused: which part of it)."""
+        key = repr(self.key(projection, layer, expert))
+        return f"{key} (expert {expert}, {PROJECTIONS[projection]})" if self.naming.fused else key
+
     def describe(self, layer: int) -> MoELayer:
         """Check that every expert tensor of the layer exists with consistent shapes (headers only)."""
         if self.naming.fused:
@@ -222,18 +238,48 @@ class ExpertSource:
         return weight
 
 
-def parse_layers(text: str) -> list[int]:
-    """Layer indices from ``A-B``, ``A`` or a comma list of both ("0-3,7" -> [0, 1, 2, 3, 7])."""
-    layers: set[int] = set()
+def parse_layers(text: str) -> list[range]:
+    """Layer ranges from ``A-B``, ``A`` or a comma list of both ("0-3,7" -> [range(0, 4), range(7, 8)]).
+    Not expanded: a range such as 0-99999999 is checked against the model without being listed."""
+    ranges = []
     for part in text.split(","):
-        bounds = part.strip().split("-")
-        if len(bounds) > 2 or not all(b.strip().isdigit() for b in bounds):
+        bounds = [bound.strip() for bound in part.split("-")]
+        if len(bounds) > 2 or not all(bound.isascii() and bound.isdecimal() for bound in bounds):
             raise ValueError(f"--layers: {part!r} is not a layer or a range A-B")
         first, last = int(bounds[0]), int(bounds[-1])
         if last < first:
             raise ValueError(f"--layers: empty range {part!r}")
-        layers.update(range(first, last + 1))
-    return sorted(layers)
+        ranges.append(range(first, last + 1))
+    return ranges
+
+
+def _ranges_text(numbers: Iterable[int]) -> str:
+    """[1, 2, 3, 5] -> "1-3, 5"."""
+    parts: list[list[int]] = []
+    for number in sorted(numbers):
+        if parts and number == parts[-1][1] + 1:
+            parts[-1][1] = number
+        else:
+            parts.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def _select_layers(requested: Iterable[int] | None, present: dict[int, int]) -> list[int]:
+    """The requested layers, sorted; ValueError naming the first few that hold no experts."""
+    if requested is None:
+        return sorted(present)
+    wanted, absent = set(), []
+    for layer in requested:
+        if layer in present:
+            wanted.add(layer)
+        else:
+            absent.append(layer)
+            if len(absent) > 5:
+                break  # a range far beyond the model is refused without walking it to its end
+    if absent:
+        listed = ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else "")
+        raise ValueError(f"layers [{listed}] hold no routed experts (MoE layers: {_ranges_text(present)})")
+    return sorted(wanted)
 
 
 class Progress:
@@ -258,37 +304,123 @@ class Progress:
             print(("\r" if self.live else "") + f"{head}: {note}", file=sys.stderr, flush=True)
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """A safetensors file whose bytes depend only on its content. safetensors' own save_file orders
+    the metadata differently from one process to the next, so a resumed run would differ."""
+    # Larger elements first, as safetensors does: every tensor stays aligned to its element size.
+    names = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name in names:
+        tensor = tensors[name]
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name in names:
+            f.write(tensors[name].contiguous().view(torch.uint8).numpy().data)
+
+
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write through a temporary name in the same directory, then rename: a reader sees all or nothing."""
+    """Write through a temporary name in the same directory, then rename: a reader sees all or
+    nothing. A failure (a full disk) removes the temporary file and is an OSError naming ``path``."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(temporary)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # safetensors creates its files 0600; make them like any other
         with open(temporary, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(temporary, path)
+    except (OSError, SafetensorError) as error:
+        temporary.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path}: {error}") from error
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
 
 
-def _write_manifest(output: Path, manifest: dict) -> None:
-    text = json.dumps(manifest, indent=2) + "\n"
-    _write_atomically(output / MANIFEST_NAME, lambda tmp: tmp.write_text(text))
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
 
 
-def _layer_is_complete(output: Path, manifest: dict, layer: MoELayer, fmt: str) -> bool:
-    """Listed in the manifest with the same shapes, and its file is there, readable, of this format."""
-    entry = manifest["layers"].get(str(layer.index))
+def _remove_stale_temporaries(output: Path) -> None:
+    """Delete the temporary files of runs that were killed while writing. Those of live processes
+    are another run's files in progress, converting into the same OUTPUT_DIR."""
+    for file in output.glob(".*.tmp"):
+        match = _TEMPORARY.match(file.name)
+        if match and (int(match["pid"]) == os.getpid() or not _pid_alive(int(match["pid"]))):
+            file.unlink(missing_ok=True)
+
+
+@contextmanager
+def _manifest_lock(output: Path) -> Iterator[None]:
+    """Exclusive among the processes converting into ``output``; released when the file is closed.
+    The lock file stays: deleting it would let two runs lock two different files."""
+    fd = os.open(output / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _check_output(output: Path, manifest: dict | None, fmt: str, source: Path) -> None:
+    """ValueError when OUTPUT_DIR holds a conversion of another format or another source."""
+    if manifest is not None and manifest.get("format") != fmt:
+        raise ValueError(
+            f"{output} already holds {manifest.get('format')} weights ({MANIFEST_NAME}); "
+            f"use --format {str(manifest.get('format')).lower()} or another OUTPUT_DIR"
+        )
+    if manifest is not None and manifest.get("source") != str(source):
+        raise ValueError(f"{output} holds a conversion of {manifest.get('source')}, not of {source}")
+
+
+def _record_layers(output: Path, header: dict, entries: dict[str, dict]) -> dict:
+    """Add ``entries`` to the manifest as it is on disk now (other runs may have added layers since
+    this one started) and write it, under the lock. Returns the manifest written."""
+    with _manifest_lock(output):
+        on_disk = read_manifest(output)
+        _check_output(output, on_disk, header["format"], Path(header["source"]))
+        manifest = dict(header)
+        if on_disk is not None:
+            if on_disk.get("group_size") != header.get("group_size"):
+                raise ValueError(f"{output}: another run wrote group size {on_disk.get('group_size')}")
+            theirs = on_disk.get("source_dtype")
+            dtypes = set(header["source_dtype"].split(",")) | set(
+                theirs.split(",") if isinstance(theirs, str) else []
+            )
+            manifest["source_dtype"] = ",".join(sorted(dtypes - {""}))
+        layers = {**(on_disk["layers"] if on_disk else {}), **entries}
+        manifest["layers"] = dict(sorted(layers.items(), key=lambda item: int(item[0])))
+        text = json.dumps(manifest, indent=2) + "\n"
+        _write_atomically(output / MANIFEST_NAME, lambda tmp: tmp.write_text(text))
+    return manifest
+
+
+def _layer_is_complete(output: Path, done: dict, layer: MoELayer, fmt: str) -> bool:
+    """Listed in ``done`` (the manifest's layers) with the same shapes, and its file is there,
+    readable, of this format."""
+    entry = done.get(str(layer.index))
     shapes = {"experts": layer.experts, "hidden": layer.hidden, "intermediate": layer.intermediate}
     if entry is None or any(entry.get(key) != value for key, value in shapes.items()):
         return False
     try:
-        with safe_open(output / entry["file"], framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError):
+        metadata = read_safetensors_header(output / entry["file"]).metadata
+    except CheckpointError:
         return False
     return metadata.get("format") == fmt and metadata.get("layer") == str(layer.index)
 
@@ -299,8 +431,13 @@ def _convert_layer(
     """Quantize a layer expert by expert into stacked [E, ...] tensors named blk.{L}.ffn_*_exps.*."""
     out: dict[str, torch.Tensor] = {}
     for expert in range(layer.experts):
-        for projection, weight in zip(PROJECTIONS, source.read_expert(layer, expert), strict=True):
-            values, scales = quant.quantize(fmt, weight, group_size)
+        weights = source.read_expert(layer, expert)
+        for p, projection in enumerate(PROJECTIONS):
+            try:
+                values, scales = quant.quantize(fmt, weights[p], group_size)
+            except ValueError as error:  # the sizes were checked: this is the data (NaN, Inf)
+                where = source.describe_weight(p, layer.index, expert)
+                raise CheckpointError(f"tensor {where} cannot be converted: {error}") from error
             for kind, tensor in (("weight", values), ("scale", scales)):
                 if tensor is None:
                     continue
@@ -347,18 +484,16 @@ def convert_checkpoint(
 
     ``method``: INT4, INT8, MXFP4 or BF16 (or an alias such as AMXINT4); ``layers``: a subset of
     the layer indices (default: all MoE layers); ``resume``: skip layers already complete in
-    ``output_dir``. Returns the manifest. Raises CheckpointError (a ValueError) for unreadable or
-    incomplete input, ValueError for a conflicting OUTPUT_DIR or impossible options.
+    ``output_dir``. Returns the manifest. Raises CheckpointError (a ValueError) for unreadable,
+    incomplete or non-finite input, ValueError for a conflicting OUTPUT_DIR or impossible options,
+    OSError naming the file when OUTPUT_DIR cannot be written (a full disk).
     """
     fmt = quant.weight_format(method)
     source_path, output = Path(input_dir).resolve(), Path(output_dir).resolve()
     if source_path == output:
         raise ValueError("OUTPUT_DIR must differ from INPUT_DIR")
     source = ExpertSource(source_path, index_checkpoint(source_path))
-    wanted = sorted(source.experts) if layers is None else sorted(set(layers))
-    absent = [layer for layer in wanted if layer not in source.experts]
-    if absent:
-        raise ValueError(f"layers {absent} hold no routed experts (MoE layers: {sorted(source.experts)})")
+    wanted = _select_layers(layers, source.experts)
     with source.opened():
         todo = [source.describe(layer) for layer in wanted]  # every key and shape checked before writing
     if fmt in ("INT4", "MXFP4"):
@@ -369,19 +504,12 @@ def convert_checkpoint(
                     f"({layer.intermediate}) sizes that are multiples of 32"
                 )
     manifest = read_manifest(output) if output.is_dir() else None
-    if manifest is not None and manifest.get("format") != fmt:
-        raise ValueError(
-            f"{output} already holds {manifest.get('format')} weights ({MANIFEST_NAME}); "
-            f"use --format {str(manifest.get('format')).lower()} or another OUTPUT_DIR"
-        )
-    if manifest is not None and manifest.get("source") != str(source_path):
-        raise ValueError(f"{output} holds a conversion of {manifest.get('source')}, not of {source_path}")
+    _check_output(output, manifest, fmt, source_path)
     group_size = _choose_group_size(fmt, group_size, todo, manifest)
     output.mkdir(parents=True, exist_ok=True)
-    for stale in [*output.glob(".layer_*.tmp"), *output.glob(f".{MANIFEST_NAME}.*.tmp")]:
-        stale.unlink(missing_ok=True)  # left by a run that was killed while writing
+    _remove_stale_temporaries(output)
     dtypes = set().union(*(layer.dtypes for layer in todo))
-    manifest = {
+    header = {
         "tool": "kt-kernel convert",
         "kt_kernel_version": __version__,
         "format": fmt,
@@ -390,11 +518,11 @@ def convert_checkpoint(
         "source_dtype": ",".join(sorted(dtypes)),
         "naming": source.naming.name,
         "source_prefix": source.prefix,
-        "layers": {} if manifest is None else manifest["layers"],
     }
+    done = manifest["layers"] if manifest else {}
     bar = Progress(len(todo), progress)
     for layer in todo:
-        if resume and _layer_is_complete(output, manifest, layer, fmt):
+        if resume and _layer_is_complete(output, done, layer, fmt):
             bar.layer(layer, "already converted, skipped")
             continue
         start = time.monotonic()
@@ -402,19 +530,17 @@ def convert_checkpoint(
             tensors = _convert_layer(source, layer, fmt, group_size, bar)
         file = converted_file_name(layer.index)
         metadata = {"format": fmt, "layer": str(layer.index), "experts": str(layer.experts)}
-        _write_atomically(output / file, lambda tmp, t=tensors, m=metadata: save_file(t, str(tmp), m))
+        _write_atomically(output / file, lambda tmp, t=tensors, m=metadata: write_safetensors(t, tmp, m))
         del tensors
-        manifest["layers"][str(layer.index)] = {
+        entry = {
             "file": file,
             "experts": layer.experts,
             "hidden": layer.hidden,
             "intermediate": layer.intermediate,
         }
-        manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda item: int(item[0])))
-        _write_manifest(output, manifest)
+        _record_layers(output, header, {str(layer.index): entry})
         bar.layer(layer, f"{layer.experts} experts in {time.monotonic() - start:.1f} s -> {file}")
-    _write_manifest(output, manifest)  # also when every layer was skipped
-    return manifest
+    return _record_layers(output, header, {})  # also when every layer was skipped
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -431,10 +557,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``kt-kernel convert``; a bad input or OUTPUT_DIR is one line on stderr and exit status 1."""
+    layers = None if args.layers is None else itertools.chain.from_iterable(args.layers)
     try:
         manifest = convert_checkpoint(
             args.input_dir, args.output_dir, args.format,
-            group_size=args.group_size, layers=args.layers, resume=args.resume, progress=not args.quiet,
+            group_size=args.group_size, layers=layers, resume=args.resume, progress=not args.quiet,
         )  # fmt: skip
     except (ValueError, OSError) as error:  # CheckpointError is a ValueError
         print(f"kt-kernel convert: error: {error}", file=sys.stderr)

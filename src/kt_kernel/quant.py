@@ -65,10 +65,15 @@ def quantize(
     """Float weight ``[..., N, K]`` -> (values, scales) in the method's canonical layout.
 
     ``group_size`` is for INT4 only (default: ``int4_group_size(K)``, 128 where K allows).
+    ValueError for a weight holding NaN or Inf: no format can represent it faithfully.
     """
     fmt = weight_format(method)
     if not weight.dtype.is_floating_point:
         raise TypeError(f"quantize expects a floating-point weight, got {weight.dtype}")
+    if not torch.isfinite(weight).all():
+        where = (~torch.isfinite(weight)).nonzero()[0].tolist()
+        value = weight[tuple(where)].item()
+        raise ValueError(f"the weight holds {value} at index {where}: NaN and Inf cannot be quantized")
     if group_size is not None and fmt != "INT4":
         raise ValueError(f"group_size applies to INT4 only, not {fmt}")
     if fmt == "BF16":
