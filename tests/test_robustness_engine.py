@@ -358,3 +358,11 @@ print(torch.equal(moe.forward(x[:{T}], ids[:{T}], w[:{T}]), small))
     result = run_python(code, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["MemoryError", "True"], result.stdout
+
+
+@pytest.mark.parametrize("method", ["MXFP4", "INT8", "INT4"])
+def test_non_finite_weights_are_refused_at_quantize_on_load(method):
+    gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
+    up[3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"up_proj\[3\]: the weight holds nan"):
+        moe_wrapper(E, K, H, I, method=method).load_weights_from_tensors(gate, up, down)

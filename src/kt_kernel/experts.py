@@ -46,9 +46,14 @@ def _require_cpu_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
-def _quantize_per_expert(method: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_per_expert(name: str, method: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quant.quantize one expert at a time, so float32 temporaries stay the size of one expert."""
-    parts = [quant.quantize(method, expert) for expert in weight]
+    parts = []
+    for index, expert in enumerate(weight):
+        try:
+            parts.append(quant.quantize(method, expert))
+        except ValueError as error:
+            raise ValueError(f"{name}[{index}]: {error}") from None
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
 
@@ -322,7 +327,7 @@ class KTMoEWrapper:
             if self.method == "BF16":
                 canonical = [w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()]
             else:
-                canonical = [t for w in weights.values() for t in _quantize_per_expert(self.method, w)]
+                canonical = [t for n, w in weights.items() for t in _quantize_per_expert(n, self.method, w)]
                 if self.method != "MXFP4":
                     canonical = self._engine_integer_layout(canonical)
         # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
