@@ -73,15 +73,18 @@ import kt_kernel
 from kt_kernel import KTMoEWrapper
 print(kt_kernel.__file__, kt_kernel.__cpu_variant__)
 E, H, I = 4, 64, 32
-save_file({f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.randn(*((H, I) if p == "down" else (I, H))).bfloat16()
-           for e in range(E) for p in ("gate", "up", "down")}, sys.argv[1] + "/model.safetensors")
+shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+save_file({f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": torch.randn(*shape).bfloat16()
+           for e in range(E) for p, shape in shapes.items()}, sys.argv[1] + "/model.safetensors")
 moe = KTMoEWrapper(layer_idx=0, num_experts=E, num_experts_per_tok=2, hidden_size=H, moe_intermediate_size=I,
                    gpu_experts_mask=None, cpuinfer_threads=2, threadpool_count=1, weight_path=None,
                    chunked_prefill_size=512, method="BF16")
 moe.load_weights_from_tensors(torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I))
 print(tuple(moe.forward(torch.randn(3, H).bfloat16(), torch.tensor([[0, 1]] * 3), torch.rand(3, 2)).shape))
 """
-    result = subprocess.run([python, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    result = subprocess.run(
+        [python, "-c", script, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # nothing from torch (numpy missing) nor nanobind (leaks at exit)
     module_file, variant, *shape = result.stdout.split()
@@ -89,7 +92,8 @@ print(tuple(moe.forward(torch.randn(3, H).bfloat16(), torch.tensor([[0, 1]] * 3)
     assert variant in ("amx", "avx512", "avx2")
     assert "".join(shape) == "(3,64)"
     convert = subprocess.run(
-        [venv / "bin" / "kt-kernel", "convert", str(tmp_path), str(tmp_path / "int8"), "--format", "int8", "--quiet"],
+        [venv / "bin" / "kt-kernel", "convert", str(tmp_path), str(tmp_path / "int8"), "--format", "int8",
+         "--quiet"],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert convert.returncode == 0, convert.stderr
