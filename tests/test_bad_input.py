@@ -150,9 +150,15 @@ def test_double_submit(loaded):
 @pytest.mark.parametrize(
     "index,bad,error,match",
     [
-        (0, torch.randn(3, H), TypeError, "hidden_states must be bfloat16"),
+        (
+            0,
+            torch.randn(3, H, dtype=torch.float64),
+            TypeError,
+            "hidden_states must be bfloat16, float16 or float32",
+        ),
         (0, torch.randn(3, H + 1).to(torch.bfloat16), ValueError, "hidden_states must have shape"),
-        (0, torch.randn(3, 1, H).to(torch.bfloat16), ValueError, "hidden_states must have shape"),
+        (0, torch.randn(H).to(torch.bfloat16), ValueError, "hidden_states must have shape"),
+        (0, torch.randn(2, 1, H).to(torch.bfloat16), ValueError, "topk_ids must have shape"),
         (0, "x", TypeError, "hidden_states must be a torch.Tensor"),
         (
             0,

@@ -11,7 +11,12 @@ import pytest
 
 from conftest import HOST_FLAGS, REPO, skip_unless_cpu_runs
 
-SUITES = ["tests/test_forward_bf16.py", "tests/test_mxfp4_kernels.py", "tests/test_int_kernels.py"]
+SUITES = [
+    "tests/test_forward_bf16.py",
+    "tests/test_mxfp4_kernels.py",
+    "tests/test_int_kernels.py",
+    "tests/test_accuracy.py",
+]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
     "avx512-bf16-vnni": {"KT_KERNEL_CPU_VARIANT": "avx512"},

@@ -136,7 +136,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
   m.def("linear",
         [](const std::string& method, Bf16In2 x, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>> weight,
            std::optional<nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>>> scale, Float32Out2 y,
-           int repeats) {
+           int repeats, bool int8_activations) {
           const kt::WeightFormat format = parse_format(method);
           const int m = int(x.shape(0)), k = int(x.shape(1)), n = int(y.shape(1));
           require(y.shape(0) == x.shape(0) && weight.shape(0) == y.shape(1), "x, weight and y disagree in shape");
@@ -164,10 +164,11 @@ NB_MODULE(KT_MODULE_NAME, m) {
           require(repeats >= 1, "repeats must be >= 1");
           nb::gil_scoped_release release;
           return kt::linear(format, bf16_data(x.data()), m, k,
-                            {weight.data(), scale ? scale->data() : nullptr, scale_group}, n, y.data(), repeats);
+                            {weight.data(), scale ? scale->data() : nullptr, scale_group}, n, y.data(), repeats,
+                            int8_activations);
         },
         nb::arg("method"), nb::arg("x"), nb::arg("weight"), nb::arg("scale").none(), nb::arg("y"),
-        nb::arg("repeats") = 1,
+        nb::arg("repeats") = 1, nb::arg("int8_activations") = false,
         "y = x @ weight.T by the kernel on this thread (weight in canonical layout); returns the mean "
         "seconds of one GEMM over `repeats` runs (packing excluded). A testing and profiling aid.");
 
@@ -237,7 +238,8 @@ NB_MODULE(KT_MODULE_NAME, m) {
       .def("__init__",
            [](kt::MoESubpools* self, int num_experts, int top_k, int hidden, const std::string& method,
               const std::vector<int>& intermediates, const std::vector<int>& threads,
-              const std::vector<std::vector<int>>& cpus, const std::vector<int>& skip_experts) {
+              const std::vector<std::vector<int>>& cpus, const std::vector<int>& skip_experts,
+              bool int8_activations, float swiglu_limit, float swiglu_alpha) {
              require(threads.size() == intermediates.size() && cpus.size() == intermediates.size(),
                      "intermediates, threads and cpus need one entry per subpool");
              std::vector<kt::MoESubpools::Subpool> subpools;
@@ -247,10 +249,13 @@ NB_MODULE(KT_MODULE_NAME, m) {
                intermediate += intermediates[i];
              }
              new (self) kt::MoESubpools({num_experts, top_k, hidden, intermediate}, parse_format(method), subpools,
-                                        skip_experts);
+                                        skip_experts,
+                                        kt::EngineOptions{{}, kt::kInlineMultiplyAdds, int8_activations, swiglu_limit,
+                                                          swiglu_alpha});
            },
            nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("method"), nb::arg("intermediates"),
-           nb::arg("threads"), nb::arg("cpus"), nb::arg("skip_experts"),
+           nb::arg("threads"), nb::arg("cpus"), nb::arg("skip_experts"), nb::arg("int8_activations") = false,
+           nb::arg("swiglu_limit") = 0.0f, nb::arg("swiglu_alpha") = 0.0f,
            "Subpool i: an engine of intermediates[i] rows of I (consecutive slices), threads[i] threads pinned to "
            "cpus[i] (empty: not pinned).")
       .def("__len__", &kt::MoESubpools::size)

@@ -43,8 +43,21 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-void silu_mul_to_bf16(const float* gate, const float* up, int count, bf16_t* out) {
-  for (int c = 0; c < count; ++c) out[c] = float_to_bf16(gate[c] / (1.0f + fast_exp(-gate[c])) * up[c]);
+// act = silu(g) * u, or the clamped forms of EngineOptions (limit, alpha > 0 switch them on).
+void swiglu_to_bf16(const float* gate, const float* up, int count, float limit, float alpha, bf16_t* out) {
+  if (limit <= 0.0f && alpha <= 0.0f) {  // the common case, kept a plain loop that vectorizes
+    for (int c = 0; c < count; ++c) out[c] = float_to_bf16(gate[c] / (1.0f + fast_exp(-gate[c])) * up[c]);
+    return;
+  }
+  for (int c = 0; c < count; ++c) {
+    float g = gate[c], u = up[c];
+    if (limit > 0.0f) {
+      g = g < limit ? g : limit;
+      u = u < limit ? (u > -limit ? u : -limit) : limit;
+    }
+    out[c] = float_to_bf16(alpha > 0.0f ? g / (1.0f + fast_exp(-alpha * g)) * (u + 1.0f)
+                                        : g / (1.0f + fast_exp(-g)) * u);
+  }
 }
 
 void require(bool condition, const std::string& message) {
@@ -83,21 +96,41 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
 
 void QuantizedBuffer::reserve(int rows, int k) {
   stride = round_up(k, 64);
-  values.reserve(size_t(rows) * stride);
-  scales.reserve(rows);
-  block_sums.reserve(size_t(rows) * stride / kActivationBlock);
+  const size_t quantized_rows = size_t(rows) * parts;
+  values.reserve(quantized_rows * stride);
+  scales.reserve(quantized_rows);
+  block_sums.reserve(quantized_rows * stride / kActivationBlock);
 }
 
 void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, WeightFormat format) {
-  int8_t* row_values = values.data() + size_t(row) * stride;
-  quantize_activation_row(x, k, int(stride), row_values, scales.data() + row,
-                          block_sums.data() + size_t(row) * stride / kActivationBlock);
-  if (format == WeightFormat::kMxfp4) order_octets_for_mxfp4(row_values, int(stride));
+  auto out = [&](size_t quantized_row) {
+    return QuantizedRowOut{values.data() + quantized_row * stride, scales.data() + quantized_row,
+                           block_sums.data() + quantized_row * stride / kActivationBlock};
+  };
+  const size_t first = size_t(row) * parts;
+  const QuantizedRowOut residual = out(first + 1);
+  quantize_activation_row(x, k, int(stride), out(first), parts == 2 ? &residual : nullptr);
+  if (format == WeightFormat::kMxfp4)
+    for (int p = 0; p < parts; ++p) order_octets_for_mxfp4(out(first + p).values, int(stride));
 }
 
 QuantizedRows QuantizedBuffer::view(int first_row) const {
-  return {values.data() + size_t(first_row) * stride, scales.data() + first_row,
-          block_sums.data() + size_t(first_row) * stride / kActivationBlock, stride};
+  const size_t first = size_t(first_row) * parts;
+  return {values.data() + first * stride, scales.data() + first,
+          block_sums.data() + first * stride / kActivationBlock, stride};
+}
+
+void sum_parts(float* y, int rows, int parts, int cols, size_t stride) {
+  if (parts == 1) return;
+  for (int i = 0; i < rows; ++i) {
+    float* dst = y + size_t(i) * stride;
+    const float* src = y + size_t(i) * parts * stride;
+    if (dst != src) std::memcpy(dst, src, cols * sizeof(float));  // row i * parts > i: not yet overwritten
+    for (int p = 1; p < parts; ++p) {
+      const float* part = src + size_t(p) * stride;
+      for (int c = 0; c < cols; ++c) dst[c] += part[c];
+    }
+  }
 }
 
 namespace {
@@ -140,27 +173,29 @@ void run_gemm(WeightFormat format, const Activations& x, const PackedGroups& w, 
 }  // namespace
 
 double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
-              int repeats) {
+              int repeats, bool int8_activations) {
   PackedProjection packed;
   packed.allocate(format, 1, n, k, w.scale_group);
   pack_matrix(format, w, 0, n, k, packed.expert_values(0), packed.expert_scales(0));
   const int stride = round_up(k, 32), y_stride = packed_groups(n) * kGroupRows;
-  AlignedBuffer<bf16_t> rows(size_t(m) * stride);
-  AlignedBuffer<float> out(size_t(m) * y_stride);
-  QuantizedBuffer quantized;
   const bool quantize = quantizes_activations(format);
+  QuantizedBuffer quantized;
+  quantized.parts = quantize && !int8_activations ? 2 : 1;
+  AlignedBuffer<bf16_t> rows(size_t(m) * stride);
+  AlignedBuffer<float> out(size_t(m) * quantized.parts * y_stride);
   if (quantize) quantized.reserve(m, k);
   for (int i = 0; i < m; ++i) {
     std::memcpy(rows.data() + size_t(i) * stride, x + size_t(i) * k, k * sizeof(bf16_t));
     std::memset(rows.data() + size_t(i) * stride + k, 0, (stride - k) * sizeof(bf16_t));
     if (quantize) quantized.quantize(i, x + size_t(i) * k, k, format);
   }
-  Activations activations{rows.data(), size_t(stride), nullptr, m};
+  Activations activations{rows.data(), size_t(stride), nullptr, m * quantized.parts};
   if (quantize) activations.quantized = quantized.view();
   const PackedGroups all = packed.groups(0, 0, packed_groups(n));
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < repeats; ++r) run_gemm(format, activations, all, out.data(), y_stride);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  sum_parts(out.data(), m, quantized.parts, y_stride, y_stride);
   for (int i = 0; i < m; ++i) std::memcpy(y + size_t(i) * n, out.data() + size_t(i) * y_stride, n * sizeof(float));
   return seconds / repeats;
 }
@@ -197,6 +232,8 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
       format_(format),
       quantized_activations_(quantizes_activations(format)),
       inline_multiply_adds_(options.inline_multiply_adds),
+      swiglu_limit_(options.swiglu_limit),
+      swiglu_alpha_(options.swiglu_alpha),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
       pool_((require(threads >= 1, "cpuinfer_threads must be >= 1"), threads), options.cpus) {
@@ -218,6 +255,8 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
     skip_[e] = 1;
   }
   scratch_.resize(threads);
+  parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
+  hidden_q_.parts = activation_q_.parts = parts_;
 }
 
 MoEEngine::~MoEEngine() {
@@ -305,6 +344,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   route_offset_.push_back(total_rows);
   route_token_.resize(total_rows);
   route_weight_.resize(total_rows);
+  route_parts_.resize(size_t(total_rows) * parts_);
   for (int t = 0; t < tokens; ++t)
     for (int k = 0; k < K; ++k) {
       const int64_t id = ids[size_t(t) * K + k];
@@ -312,6 +352,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
       const int row = expert_rows_[id]++;
       route_token_[row] = t;
       route_weight_[row] = weights[size_t(t) * K + k];
+      for (int p = 0; p < parts_; ++p) route_parts_[size_t(row) * parts_ + p] = t * parts_ + p;
     }
 
   // Buffers only grow, so steady-state calls allocate nothing.
@@ -322,9 +363,9 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
     activation_q_.reserve(total_rows, shape_.intermediate);
   }
   for (ThreadScratch& s : scratch_) {
-    s.gate.reserve(size_t(max_rows) * kBlockCols);
-    s.up.reserve(size_t(max_rows) * kBlockCols);
-    s.down.reserve(size_t(max_rows) * kBlockCols);
+    s.gate.reserve(size_t(max_rows) * parts_ * kBlockCols);
+    s.up.reserve(size_t(max_rows) * parts_ * kBlockCols);
+    s.down.reserve(size_t(max_rows) * parts_ * kBlockCols);
     s.acc.reserve(size_t(tokens) * kBlockCols);
   }
 
@@ -418,17 +459,22 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   const int block_groups = std::min(kBlockGroups, groups - g0);
   const int expert = active_experts_[active];
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
+  // The integer formats read each token's quantized parts as rows of their own (route_parts_).
   Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
-  if (quantized_activations_) x.quantized = hidden_q_.view();
+  if (quantized_activations_)
+    x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
+         hidden_q_.view()};
 
   PackedGroups gate = gate_.groups(expert, g0, block_groups);
   const PackedGroups up = up_.groups(expert, g0, block_groups);
   gate.next_values = up.values;
   gemm(x, gate, s.gate.data(), kBlockCols);
   gemm(x, up, s.up.data(), kBlockCols);
+  sum_parts(s.gate.data(), rows, parts_, block_groups * kGroupRows, kBlockCols);
+  sum_parts(s.up.data(), rows, parts_, block_groups * kGroupRows, kBlockCols);
   for (int i = 0; i < rows; ++i)
-    silu_mul_to_bf16(s.gate.data() + i * kBlockCols, s.up.data() + i * kBlockCols, block_groups * kGroupRows,
-                     activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
+    swiglu_to_bf16(s.gate.data() + i * kBlockCols, s.up.data() + i * kBlockCols, block_groups * kGroupRows,
+                   swiglu_limit_, swiglu_alpha_, activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
 }
 
 // One block of output columns for every token: down projections of all active experts, weighted
@@ -443,12 +489,13 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
   for (size_t active = 0; active < active_experts_.size(); ++active) {
     const int expert = active_experts_[active];
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
-    Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows};
+    Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = activation_q_.view(first);
     PackedGroups down = down_.groups(expert, g0, block_groups);
     if (active + 1 < active_experts_.size())
       down.next_values = down_.groups(active_experts_[active + 1], g0, block_groups).values;
     gemm(x, down, s.down.data(), kBlockCols);
+    sum_parts(s.down.data(), rows, parts_, block_cols, kBlockCols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];
       const float* y = s.down.data() + i * kBlockCols;
@@ -470,7 +517,7 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
 }
 
 MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const std::vector<Subpool>& subpools,
-                         const std::vector<int>& skip_experts)
+                         const std::vector<int>& skip_experts, const EngineOptions& common)
     : partials_(subpools.size()), hidden_(shape.hidden) {
   require(!subpools.empty(), "threadpool_count must be >= 1");
   int total = 0;
@@ -480,7 +527,9 @@ MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const std::vector<
     MoEShape slice = shape;
     slice.intermediate = subpool.intermediate;
     // Each gets its share of the inline threshold: the whole layer's work decides, for all alike.
-    const EngineOptions options{subpool.cpus, kInlineMultiplyAdds * subpool.intermediate / shape.intermediate};
+    EngineOptions options = common;
+    options.cpus = subpool.cpus;
+    options.inline_multiply_adds = common.inline_multiply_adds * subpool.intermediate / shape.intermediate;
     engines_.push_back(std::make_unique<MoEEngine>(slice, format, subpool.threads, skip_experts, options));
   }
 }

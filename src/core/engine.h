@@ -56,25 +56,33 @@ struct SourceProjection {
   int scale_group = 0;
 };
 
-// Activation rows quantized per row for the integer formats (storage behind QuantizedRows).
+// Activation rows quantized per row for the integer formats (storage behind QuantizedRows). Each
+// row is held by `parts` quantized rows (kernels.h): 2, the row and its residual, unless the
+// caller opted into plain int8 activations (1). Row r's parts are quantized rows r * parts + p.
 struct QuantizedBuffer {
   AlignedBuffer<int8_t> values;
   AlignedBuffer<float> scales;
   AlignedBuffer<int32_t> block_sums;
   size_t stride = 0;
+  int parts = 2;
 
   void reserve(int rows, int k);
   // Row `row` from x (k values), in the order `format`'s kernels read (MXFP4: octet order).
   void quantize(int row, const bf16_t* x, int k, WeightFormat format);
-  // The rows from `first_row` on.
+  // The quantized rows from row `first_row`'s first part on.
   QuantizedRows view(int first_row = 0) const;
 };
+
+// Adds each row's `parts` consecutive output rows of a GEMM on QuantizedBuffer rows (rows * parts
+// rows of `cols` floats, row stride `stride`) into its first `rows` rows.
+void sum_parts(float* y, int rows, int parts, int cols, size_t stride);
 
 // y[m][n] = x[m][k] . W[n][k] on the calling thread, W given like SourceProjection (one matrix):
 // the kernels without the MoE around them, for tests of odd shapes and kernel timing. Packs W once,
 // runs the GEMM `repeats` times and returns the mean seconds of one GEMM.
+// int8_activations: one quantized row per activation row (the opt-in lossy mode), not two.
 double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
-              int repeats = 1);
+              int repeats = 1, bool int8_activations = false);
 
 // Calls of at most this many multiply-adds (tens of microseconds on one core) run on the caller.
 constexpr double kInlineMultiplyAdds = 2e6;
@@ -83,6 +91,11 @@ struct EngineOptions {
   std::vector<int> cpus;  // the workers pin themselves to these CPUs (a NUMA node's); empty: no pinning
   // A subpool of a split layer gets its share of the threshold, so the whole layer's work decides.
   double inline_multiply_adds = kInlineMultiplyAdds;
+  // The integer formats quantize each activation row to int8 once (faster, lossy: see kernels.h).
+  bool int8_activations = false;
+  // Clamped SwiGLU (0: off). limit L > 0: gate = min(gate, L), up = clamp(up, -L, L) first;
+  // alpha a > 0: act = gate * sigmoid(a * gate) * (up + 1) (SwiGLU-OAI), else silu(gate) * up.
+  float swiglu_limit = 0.0f, swiglu_alpha = 0.0f;
 };
 
 class MoEEngine {
@@ -137,7 +150,9 @@ class MoEEngine {
   const MoEShape shape_;
   const WeightFormat format_;
   const bool quantized_activations_;  // quantizes_activations(format_)
+  int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
   const double inline_multiply_adds_;
+  const float swiglu_limit_, swiglu_alpha_;
   std::vector<uint8_t> skip_;
   bool loaded_ = false;
   bool pending_ = false;
@@ -152,6 +167,7 @@ class MoEEngine {
   std::vector<int> active_experts_;      // experts with work, in id order
   std::vector<int> route_offset_;        // per active expert: first routed row; last = total rows
   std::vector<int32_t> route_token_;     // per routed row: its token
+  std::vector<int32_t> route_parts_;     // per routed row, per part: its quantized hidden row
   std::vector<float> route_weight_;      // per routed row: its routing weight
   std::vector<int> expert_rows_;         // per expert id: routed rows (counting pass)
   AlignedBuffer<bf16_t> hidden_;         // [tokens, hidden_stride_]
@@ -177,9 +193,10 @@ class MoESubpools {
     int threads;
     std::vector<int> cpus;  // empty: not pinned
   };
-  // shape.intermediate is the whole layer's; the slices must add up to it.
+  // shape.intermediate is the whole layer's; the slices must add up to it. Each engine gets
+  // `options` with its subpool's CPUs and share of the inline threshold.
   MoESubpools(MoEShape shape, WeightFormat format, const std::vector<Subpool>& subpools,
-              const std::vector<int>& skip_experts);
+              const std::vector<int>& skip_experts, const EngineOptions& options = {});
   MoESubpools(const MoESubpools&) = delete;
   MoESubpools& operator=(const MoESubpools&) = delete;
 

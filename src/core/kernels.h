@@ -18,7 +18,12 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 // per row:
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
 // block_sums[b] = sum of values[32b .. 32b + 31] (the kernels subtract their weight offset times it).
+// By default each activation row is held by TWO such rows (parts): the row, and what it leaves
+// (x - scale * values, at most half a step) at 1/254 of its scale. The GEMMs multiply both like
+// any two rows and the engine adds their outputs: x is then held to 1/64516 of its largest
+// magnitude, so a few outlier channels no longer round the rest of the row away.
 constexpr int kActivationBlock = 32;
+constexpr float kResidualSteps = 254.0f;
 struct QuantizedRows {
   const int8_t* values = nullptr;  // [row][stride]
   const float* scales = nullptr;   // [row]
@@ -26,16 +31,23 @@ struct QuantizedRows {
   size_t stride = 0;
 };
 
-// One quantized activation row, as the integer tiles take it.
+// One quantized row, as the integer tiles take it.
 struct QuantizedRow {
   const int8_t* values;
   const int32_t* block_sums;
   float scale;
 };
 
-// x (bf16, k values) -> one quantized row: values[0, stride), scale, block_sums[0, stride / 32).
-void quantize_activation_row(const bf16_t* x, int k, int stride, int8_t* values, float* scale,
-                             int32_t* block_sums);
+// Where quantize_activation_row writes one row: values [stride], its scale, block sums [stride / 32].
+struct QuantizedRowOut {
+  int8_t* values;
+  float* scale;
+  int32_t* block_sums;
+};
+
+// x (bf16, k values) -> one quantized row, and with `residual` also the row of what it leaves.
+void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut row,
+                             const QuantizedRowOut* residual = nullptr);
 
 // The activation rows a GEMM reads: row i is base + (row_ids ? row_ids[i] : i) * stride, bf16,
 // readable (zero padded) up to round_up(k, 2) elements; for the formats multiplied in integers

@@ -43,6 +43,7 @@ class Row:
     variant: str
     shape: str
     format: str
+    activations: str  # "exact", or "int8" for the opt-in int8_activations=True mode
     tokens: int
     calls: int
     median_ms: float
@@ -199,21 +200,26 @@ def run_worker(args: argparse.Namespace) -> dict:
     label = variant + ("-plain" if variant != "avx2" and not (uses_dpbf16 or uses_dpint8) else "")
     rows: list[Row] = []
     baselines = sorted({TORCH_FORMAT.get(f, f) for f in args.format}) if args.torch else []
-    steps = len(args.shape) * (len(args.format) + len(baselines)) * len(args.tokens)
+    # The int8-activation mode exists for the formats that multiply in integers (all but bf16).
+    runs = [
+        (f, mode) for f in args.format for mode in args.activations if not (f == "bf16" and mode == "int8")
+    ]
+    steps = len(args.shape) * (len(runs) + len(baselines)) * len(args.tokens)
     step = 0
     for shape in args.shape:
         experts, top_k, hidden, inter = SHAPES[shape]
         gate, up, down = random_weights(shape)
         shape_rows: list[Row] = []
-        for fmt in args.format:
+        for fmt, mode in runs:
             moe = KTMoEWrapper(
                 layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
                 moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
                 threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
+                int8_activations=mode == "int8",
             )  # fmt: skip
             moe.load_weights_from_tensors(gate, up, down)
             for tokens in args.tokens:
-                progress(step, steps, f"{label} {shape} {fmt} T={tokens}")
+                progress(step, steps, f"{label} {shape} {fmt} ({mode} activations) T={tokens}")
                 step += 1
                 inputs = call_inputs(shape, tokens, args.calls + 2)  # fresh routing for every call
                 decode = tokens <= DECODE_MAX_TOKENS
@@ -229,7 +235,8 @@ def run_worker(args: argparse.Namespace) -> dict:
                 tflops = 2 * 3 * hidden * inter * tokens * top_k / median / 1e12
                 shape_rows.append(
                     Row(
-                        variant=label, shape=shape, format=fmt, tokens=tokens, calls=len(times),
+                        variant=label, shape=shape, format=fmt, activations=mode, tokens=tokens,
+                        calls=len(times),
                         median_ms=median * 1e3, p10_ms=deciles[0] * 1e3, p90_ms=deciles[-1] * 1e3,
                         tokens_per_s=tokens / median, gbps=gbps, tflops=tflops,
                         dram_gbps=row_dram, pct_of_bandwidth=100 * gbps / row_dram if decode else None,
@@ -284,7 +291,7 @@ def format_table(result: dict) -> str:
         peaks = ", ".join(f"{op} {g:.0f} G/s" for op, g in w["peak_gflops"].items() if g)  # FLOP or int OP
         lines.append(f"  {w['variant']:<12} DRAM read {w['dram_gbps']:.1f} GB/s; peak {peaks}")
     header = (
-        f"{'build':<12} {'shape':<10} {'format':<6} {'T':>4} {'median ms':>10} {'p10-p90 ms':>15} "
+        f"{'build':<12} {'shape':<10} {'format':<9} {'T':>4} {'median ms':>10} {'p10-p90 ms':>15} "
         f"{'tok/s':>9} {'GB/s':>6} {'DRAM':>5} {'%BW':>5} {'TFLOP/s':>8} {'%peak':>6} {'torch ms':>9} "
         f"{'speedup':>7}"
     )
@@ -295,7 +302,9 @@ def format_table(result: dict) -> str:
 
     for r in result["rows"]:
         lines.append(
-            f"{r['variant']:<12} {r['shape']:<10} {r['format']:<6} {r['tokens']:>4} {r['median_ms']:>10.2f} "
+            f"{r['variant']:<12} {r['shape']:<10} "
+            f"{r['format'] + ('-i8act' if r['activations'] == 'int8' else ''):<9} "
+            f"{r['tokens']:>4} {r['median_ms']:>10.2f} "
             f"{r['p10_ms']:>7.2f}-{r['p90_ms']:<7.2f} {r['tokens_per_s']:>9.1f} {r['gbps']:>6.1f} "
             f"{opt(r['dram_gbps'], '5.1f'):>5} {opt(r['pct_of_bandwidth'], '5.0f'):>5} {r['tflops']:>8.3f} "
             f"{opt(r['pct_of_peak'], '6.0f'):>6} "
@@ -306,7 +315,7 @@ def format_table(result: dict) -> str:
         "bandwidth measured just before the row.\n%peak (T >= 64): vs the measured peak of the instruction "
         "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it has neither).\ntorch: per-expert "
         "F.linear in bf16 (bf16, mxfp4), torch._weight_int8pack_mm (int8), _weight_int4pack_mm_for_cpu "
-        "(int4)."
+        "(int4).\n-i8act: the opt-in int8_activations=True mode (lossy on outlier activations)."
     )
     return "\n".join(lines)
 
@@ -328,6 +337,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--row-seconds", type=float, default=5.0, help="after 5 calls, stop a row once it used this long"
     )
+    parser.add_argument(
+        "--activations", nargs="+", choices=["exact", "int8"], default=["exact"],
+        help="exact (the default mode) and/or int8 (int8_activations=True): both print side by side",
+    )  # fmt: skip
     parser.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch baseline")
     parser.add_argument(
         "--quick", action="store_true", help="qwen3-30b, T=1 and 64, 10 calls: under a minute"
@@ -357,7 +370,8 @@ def main(args: argparse.Namespace) -> int:
             command = [sys.executable, "-m", "kt_kernel", "bench", "--worker-json", out.name,
                        "--shape", *args.shape, "--format", *args.format,
                        "--tokens", *map(str, args.tokens), "--threads", str(args.threads),
-                       "--calls", str(args.calls), "--row-seconds", str(args.row_seconds)]  # fmt: skip
+                       "--calls", str(args.calls), "--row-seconds", str(args.row_seconds),
+                       "--activations", *args.activations]  # fmt: skip
             if not args.torch:
                 command.append("--no-torch")
             subprocess.run(command, env=env, check=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import math
 import os
 import threading
 import weakref
@@ -44,6 +45,17 @@ def _require_cpu_tensor(name: str, value: object) -> torch.Tensor:
     if value.is_neg():  # torch._neg_view: the engine reads memory, which holds the values unnegated
         value = value.resolve_neg()
     return value
+
+
+def _optional_non_negative(name: str, value: object) -> float | None:
+    """None, or a finite float >= 0 (0 and None both mean off)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value}")
+    return float(value)
 
 
 def _quantize_per_expert(name: str, method: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +155,9 @@ class KTMoEWrapper:
         max_deferred_experts_per_token: int | None = None,
         method: str = "AMXINT4",
         numa_nodes: Sequence[int] | None = None,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float | None = None,
+        int8_activations: bool = False,
     ) -> None:
         self.layer_idx = _require_int("layer_idx", layer_idx, 0)
         self.num_experts = _require_int("num_experts", num_experts, 1)
@@ -160,7 +175,8 @@ class KTMoEWrapper:
         usable_cpus = len(os.sched_getaffinity(0))
         if cpuinfer_threads > THREADS_PER_CPU_LIMIT * usable_cpus:
             raise ValueError(
-                f"cpuinfer_threads={cpuinfer_threads} is more than {THREADS_PER_CPU_LIMIT} x the {usable_cpus} "
+                f"cpuinfer_threads={cpuinfer_threads} is more than {THREADS_PER_CPU_LIMIT} x the "
+                f"{usable_cpus} "
                 "CPUs this process may run on; extra threads would only take turns on the same CPUs"
             )
         self.threadpool_count = _require_int("threadpool_count", threadpool_count, 1)
@@ -178,6 +194,11 @@ class KTMoEWrapper:
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)
         self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
+        self.swiglu_limit = _optional_non_negative("swiglu_limit", swiglu_limit)
+        self.swiglu_alpha = _optional_non_negative("swiglu_alpha", swiglu_alpha)
+        if not isinstance(int8_activations, bool):
+            raise TypeError(f"int8_activations must be a bool, got {type(int8_activations).__name__}")
+        self.int8_activations = int8_activations
         self.gpu_experts_mask = self._check_gpu_mask(gpu_experts_mask)
         self._layer, self._subpools = self._make_subpools(
             torch.nonzero(self.gpu_experts_mask).flatten().tolist()
@@ -223,6 +244,9 @@ class KTMoEWrapper:
             shares,
             [[] if pin is None else pin[1] for pin in pins],
             skip,
+            int8_activations=self.int8_activations,
+            swiglu_limit=self.swiglu_limit or 0.0,
+            swiglu_alpha=self.swiglu_alpha or 0.0,
         )
         subpools = [
             _Subpool(layer.engine(i), start, stop, share, *(pin if pin is not None else (None, None)))
@@ -518,7 +542,8 @@ class KTMoEWrapper:
         with self._lock:
             if not self._loaded:
                 raise RuntimeError(
-                    "this wrapper is closed" if self._layer is None
+                    "this wrapper is closed"
+                    if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
             self._require_idle("submit a forward")
@@ -570,18 +595,27 @@ class KTMoEWrapper:
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = _require_cpu_tensor("hidden_states", hidden_states)
-        if x.dtype != torch.bfloat16:
-            raise TypeError(f"hidden_states must be bfloat16, got {x.dtype}")
-        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+        if x.dtype not in _FLOAT_WEIGHT_DTYPES:
+            raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x.dtype}")
+        if x.dim() < 2 or x.shape[-1] != self.hidden_size:
             raise ValueError(
-                f"hidden_states must have shape [tokens, hidden_size={self.hidden_size}], got {list(x.shape)}"
+                f"hidden_states must have shape [..., tokens, hidden_size={self.hidden_size}], "
+                f"got {list(x.shape)}"
             )
+        if x.dim() > 2:  # [B, T, H] -> [B*T, H], as upstream
+            x = x.reshape(-1, self.hidden_size)
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)  # the engine reads bf16 tokens: converted once, here
         ids = _require_cpu_tensor("topk_ids", topk_ids)
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"topk_ids must be int64 or int32, got {ids.dtype}")
         weights = _require_cpu_tensor("topk_weights", topk_weights)
         if not weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights must be a floating-point tensor, got {weights.dtype}")
+        if ids.dim() > 2:
+            ids = ids.reshape(-1, ids.shape[-1])
+        if weights.dim() > 2:
+            weights = weights.reshape(-1, weights.shape[-1])
         if x.shape[0] * self.num_experts_per_tok >= 2**31:
             raise ValueError(f"hidden_states has too many tokens ({x.shape[0]}) for one call")
         expected = (x.shape[0], self.num_experts_per_tok)
