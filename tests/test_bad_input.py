@@ -86,7 +86,7 @@ def test_bad_construction(overrides, error, match):
 
 def test_accepted_upstream_arguments():
     moe = wrapper(cpu_save=True, numa_nodes=[0], max_deferred_experts_per_token=0, method="bf16")
-    assert moe.method == "BF16" and moe.numa_nodes == [0]
+    assert moe.method == "bf16" and moe.weight_format == "BF16" and moe.numa_nodes == [0]
 
 
 @pytest.mark.parametrize(

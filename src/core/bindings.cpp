@@ -72,13 +72,27 @@ void submit(Engine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>>
 
 // submit() from data addresses, for the Python wrapper, which has checked the tensors: hidden and
 // out bf16 [tokens, hidden], ids int64 and weights float32 [tokens, top_k], all contiguous. It
-// skips the DLPack exchange of four torch tensors (about 10 us, half of a tiny call).
+// skips the DLPack exchange of four torch tensors (about 10 us, half of a tiny call). gpu_mask, if
+// not 0, is the address of num_experts bools given to set_gpu_experts first (a memcmp when unchanged).
 template <typename Engine>
-void submit_addresses(Engine& engine, uintptr_t hidden, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t out) {
+void submit_addresses(Engine& engine, uintptr_t hidden, int tokens, uintptr_t ids, uintptr_t weights, uintptr_t out,
+                      uintptr_t gpu_mask) {
   require(tokens >= 1 && hidden && ids && weights && out, "submit_addresses needs tokens >= 1 and non-null addresses");
+  if (gpu_mask) engine.set_gpu_experts(reinterpret_cast<const uint8_t*>(gpu_mask));
   engine.submit(reinterpret_cast<const bf16_t*>(hidden), tokens, reinterpret_cast<const int64_t*>(ids),
                 reinterpret_cast<const float*>(weights), reinterpret_cast<bf16_t*>(out));
 }
+
+kt::Projection parse_projection(const std::string& name) {
+  if (name == "gate") return kt::Projection::kGate;
+  if (name == "up") return kt::Projection::kUp;
+  if (name == "down") return kt::Projection::kDown;
+  throw std::invalid_argument("projection must be gate, up or down, not " + name);
+}
+
+constexpr const char* kSubmitAddressesDoc =
+    "submit() from the tensors' data_ptr()s, unchecked: for callers that checked the tensors. gpu_mask: "
+    "the address of num_experts bools (True: computed on the GPU, skipped here), or 0 to keep the set.";
 
 }  // namespace
 
@@ -226,8 +240,24 @@ NB_MODULE(KT_MODULE_NAME, m) {
            "(checked in Python).")
       .def("submit", &submit<kt::MoEEngine>, nb::call_guard<nb::gil_scoped_release>(),
            "Start a forward; hidden and out must stay alive until sync().")
-      .def("submit_addresses", &submit_addresses<kt::MoEEngine>, nb::call_guard<nb::gil_scoped_release>(),
-           "submit() from the tensors' data_ptr()s, unchecked: for callers that checked the tensors.")
+      .def("submit_addresses", &submit_addresses<kt::MoEEngine>, nb::arg("hidden"), nb::arg("tokens"), nb::arg("ids"),
+           nb::arg("weights"), nb::arg("out"), nb::arg("gpu_mask") = 0, nb::call_guard<nb::gil_scoped_release>(),
+           kSubmitAddressesDoc)
+      .def("unpack",
+           [](kt::MoEEngine& engine, const std::string& projection, int expert, int row0, int rows, int k0, int cols,
+              uintptr_t values, size_t values_stride, uintptr_t scales, size_t scales_stride) {
+             kt::UnpackRegion region;
+             region.row0 = row0, region.rows = rows, region.k0 = k0, region.cols = cols;
+             region.values = reinterpret_cast<uint8_t*>(values), region.values_stride = values_stride;
+             region.scales = reinterpret_cast<uint8_t*>(scales), region.scales_stride = scales_stride;
+             nb::gil_scoped_release release;
+             engine.unpack(parse_projection(projection), expert, region);
+           },
+           nb::arg("projection"), nb::arg("expert"), nb::arg("row0"), nb::arg("rows"), nb::arg("k0"), nb::arg("cols"),
+           nb::arg("values"), nb::arg("values_stride"), nb::arg("scales"), nb::arg("scales_stride"),
+           "Write slot `expert`'s rows [row0, row0 + rows) and inputs [k0, k0 + cols) of projection 'gate', 'up' or "
+           "'down' in the canonical layout to the addresses given (row strides in bytes), unchecked beyond the "
+           "projection's bounds.")
       .def("sync", &kt::MoEEngine::sync, nb::call_guard<nb::gil_scoped_release>())
       .def("release_scratch", &kt::MoEEngine::release_scratch)
       .def("worker_cpus", &kt::MoEEngine::worker_cpus, nb::call_guard<nb::gil_scoped_release>(),
@@ -263,8 +293,9 @@ NB_MODULE(KT_MODULE_NAME, m) {
            "Subpool i's engine, to load its slice of the weights.")
       .def("submit", &submit<kt::MoESubpools>, nb::call_guard<nb::gil_scoped_release>(),
            "Start a forward on every subpool; hidden and out must stay alive until sync().")
-      .def("submit_addresses", &submit_addresses<kt::MoESubpools>, nb::call_guard<nb::gil_scoped_release>(),
-           "submit() from the tensors' data_ptr()s, unchecked: for callers that checked the tensors.")
+      .def("submit_addresses", &submit_addresses<kt::MoESubpools>, nb::arg("hidden"), nb::arg("tokens"),
+           nb::arg("ids"), nb::arg("weights"), nb::arg("out"), nb::arg("gpu_mask") = 0,
+           nb::call_guard<nb::gil_scoped_release>(), kSubmitAddressesDoc)
       .def("sync", &kt::MoESubpools::sync, nb::call_guard<nb::gil_scoped_release>(),
            "Wait for every subpool, then sum their partial outputs into out.")
       .def("release_scratch", &kt::MoESubpools::release_scratch)

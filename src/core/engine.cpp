@@ -279,10 +279,10 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
   gate_.allocate(format_, E, I, H, gate.scale_group);
   up_.allocate(format_, E, I, H, up.scale_group);
   down_.allocate(format_, E, H, I, down.scale_group);
-  // Packed by the pool's threads, so each expert's pages are first touched by a worker.
+  // Packed by the pool's threads, so each expert's pages are first touched by a worker. Skipped
+  // (GPU) slots too: the mask may hand them back to the CPU at any submit.
   pool_.run([&](int worker) {
     for (int slot = worker; slot < E; slot += pool_.size()) {
-      if (skip_[slot]) continue;
       const size_t source = size_t(source_of_slot[slot]);
       pack(gate_, gate, slot, source);
       pack(up_, up, slot, source);
@@ -294,6 +294,50 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
 
 void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {
   pack_matrix(format_, src, source, dst.rows, dst.k, dst.expert_values(slot), dst.expert_scales(slot));
+}
+
+void MoEEngine::set_gpu_experts(const uint8_t* gpu_mask) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot change the GPU experts while a forward is in flight");
+  if (std::memcmp(skip_.data(), gpu_mask, skip_.size()) == 0) return;
+  for (size_t e = 0; e < skip_.size(); ++e) skip_[e] = gpu_mask[e] != 0;
+}
+
+void MoEEngine::unpack(Projection projection, int expert, const UnpackRegion& region) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot read weights back while a forward is in flight");
+  if (!loaded_) throw std::logic_error("weights are not loaded");
+  const PackedProjection& p = projection == Projection::kGate ? gate_ : projection == Projection::kUp ? up_ : down_;
+  require(expert >= 0 && expert < shape_.num_experts, "expert id outside [0, num_experts)");
+  require(region.row0 >= 0 && region.rows >= 0 && region.row0 <= p.rows - region.rows,
+          "unpack rows outside the projection");
+  require(region.k0 >= 0 && region.cols >= 0 && region.k0 <= p.k - region.cols, "unpack inputs outside the projection");
+  const int block = format_ == WeightFormat::kMxfp4 ? kMxfp4Block : format_ == WeightFormat::kInt4 ? p.scale_group : 1;
+  require(region.k0 % block == 0 && region.cols % block == 0, "unpack inputs must keep scale blocks whole");
+  require(region.rows == 0 || region.cols == 0 ||
+              (region.values != nullptr && (format_ == WeightFormat::kBf16 || region.scales != nullptr)),
+          "unpack needs destinations for the values and scales");
+  const PackedGroups all = p.groups(expert, 0, packed_groups(p.rows));
+  pool_.run([&](int worker) {
+    // Worker w writes rows [w * rows / workers, (w + 1) * rows / workers) of the region.
+    const int first = int(int64_t(worker) * region.rows / pool_.size());
+    const int last = int(int64_t(worker + 1) * region.rows / pool_.size());
+    UnpackRegion share = region;
+    share.row0 += first;
+    share.rows = last - first;
+    share.values += first * region.values_stride;
+    if (share.scales != nullptr) share.scales += first * region.scales_stride;
+    switch (format_) {
+      case WeightFormat::kBf16:
+        return unpack_bf16(all, share);
+      case WeightFormat::kMxfp4:
+        return unpack_mxfp4(all, share);
+      case WeightFormat::kInt8:
+        return unpack_int8(all, share);
+      case WeightFormat::kInt4:
+        return unpack_int4(all, share);
+    }
+  });
 }
 
 void MoEEngine::gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const {
@@ -592,6 +636,12 @@ void MoESubpools::sync() {
     first_worker += engine->pool().size();
   }
   for (std::unique_ptr<MoEEngine>& engine : engines_) engine->pool().wait();
+}
+
+void MoESubpools::set_gpu_experts(const uint8_t* gpu_mask) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot change the GPU experts while a forward is in flight");
+  for (std::unique_ptr<MoEEngine>& engine : engines_) engine->set_gpu_experts(gpu_mask);
 }
 
 void MoESubpools::release_scratch() {

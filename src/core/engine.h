@@ -10,6 +10,7 @@
 #include "common.h"
 #include "kernels.h"
 #include "thread_pool.h"
+#include "unpack.h"
 
 KT_NAMESPACE_BEGIN
 
@@ -98,18 +99,29 @@ struct EngineOptions {
   float swiglu_limit = 0.0f, swiglu_alpha = 0.0f;
 };
 
+enum class Projection { kGate, kUp, kDown };
+
 class MoEEngine {
  public:
-  // skip_experts: ids computed elsewhere (GPU-resident); their routing entries are ignored.
+  // skip_experts: ids computed elsewhere (GPU-resident); their routing entries are ignored until
+  // set_gpu_experts changes the set.
   MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts,
             const EngineOptions& options = {});
   ~MoEEngine();
 
   // gate, up: [num_sources, intermediate, hidden]; down: [num_sources, hidden, intermediate], in
   // the engine's format. Physical slot p gets the weights of source expert source_of_slot[p].
-  // Copies and packs; nothing refers to the sources afterwards.
+  // Copies and packs; nothing refers to the sources afterwards. Every slot is packed, skipped ones
+  // too, so that set_gpu_experts can hand any expert back to the CPU without a reload.
   void load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
             const int64_t* source_of_slot);
+  // gpu_mask[e] != 0 (num_experts bytes, 0 or 1): expert e is computed elsewhere and its routing
+  // entries are ignored from the next submit on. Compares first, so an unchanged mask costs a
+  // memcmp. Not while a forward is in flight.
+  void set_gpu_experts(const uint8_t* gpu_mask);
+  // Writes slot `expert`'s rows and inputs of one projection given by `region` back in the
+  // canonical layout (unpack.h), on the pool's threads. Not while a forward is in flight.
+  void unpack(Projection projection, int expert, const UnpackRegion& region);
 
   // Starts a forward over `tokens` rows and returns at once (a tiny one is computed right away).
   // Routing and hidden (bf16 [tokens, hidden]) are read here, so the caller may reuse them at once;
@@ -207,6 +219,8 @@ class MoESubpools {
   void sync();
   bool pending() const { return pending_; }
   void release_scratch();
+  // As MoEEngine::set_gpu_experts, for every subpool.
+  void set_gpu_experts(const uint8_t* gpu_mask);
 
  private:
   std::mutex api_mutex_;  // as MoEEngine's

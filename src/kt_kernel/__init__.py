@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ._native import build as _build
 from .experts import KTMoEWrapper
 from .info import cpu_info
+from .placement import generate_gpu_experts_masks
 
 try:
     __version__: str = version("kt-kernel")
@@ -19,4 +20,4 @@ except PackageNotFoundError:  # running from a source tree without installed met
 #: The build bound at import: "amx", "avx512" or "avx2".
 __cpu_variant__: str = _build.variant
 
-__all__ = ["KTMoEWrapper", "cpu_info", "__cpu_variant__", "__version__"]
+__all__ = ["KTMoEWrapper", "cpu_info", "generate_gpu_experts_masks", "__cpu_variant__", "__version__"]

@@ -27,6 +27,8 @@ THREADS_PER_CPU_LIMIT = 4
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
+    if value is None:
+        raise TypeError(f"{name} is required")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -67,6 +69,20 @@ def _quantize_per_expert(name: str, method: str, weight: torch.Tensor) -> tuple[
         except ValueError as error:
             raise ValueError(f"{name}[{index}]: {error}") from None
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _require_addresses(name: str, value: object, count: int) -> list[int]:
+    """``count`` non-null memory addresses (a caller's data_ptr()s) given as a list or tuple."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of data_ptr() addresses, got {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} must hold gpu_tp_count = {count} addresses, got {len(value)}")
+    for index, address in enumerate(value):
+        if isinstance(address, bool) or not isinstance(address, int):
+            raise TypeError(f"{name}[{index}] must be an int address, got {type(address).__name__}")
+        if not 0 < address < 2**64:
+            raise ValueError(f"{name}[{index}] = {address} is not a valid address")
+    return list(value)
 
 
 def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
@@ -125,7 +141,15 @@ class KTMoEWrapper:
     ``forward`` returns ``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
     with ``e = topk_ids[t,k]``; id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
     Keyword names follow upstream kt-kernel. ``cuda_stream`` is accepted and unused (CPU only);
-    ``cpu_save`` is accepted and stored.
+    ``cpu_save`` is accepted and stored. ``method`` keeps the name given ('AMXINT4');
+    ``weight_format`` is the format it means ('INT4').
+
+    GPU experts: ``gpu_experts_mask`` (bool [num_experts]) or upstream's ``num_gpu_experts=n``
+    (experts 0..n-1; both given: they must agree). ``gpu_experts_mask`` is a CPU bool tensor the
+    caller may update in place (``wrapper.gpu_experts_mask.copy_(m)``, from any device) or assign;
+    the change applies from the next ``submit_forward``. Every expert's weights are packed, masked
+    ones too, so any expert can come back to the CPU without a reload: CPU memory holds all
+    ``num_experts`` experts whatever the mask.
 
     ``threadpool_count`` > 1 splits the layer into that many subpools, each with its share of
     ``cpuinfer_threads`` and a contiguous slice of the intermediate dimension of every expert
@@ -146,19 +170,28 @@ class KTMoEWrapper:
         num_experts_per_tok: int,
         hidden_size: int,
         moe_intermediate_size: int,
-        gpu_experts_mask: torch.Tensor | Sequence[bool] | None,
-        cpuinfer_threads: int,
-        threadpool_count: int,
-        weight_path: str | None,
-        chunked_prefill_size: int,
+        # Optional so that upstream's num_gpu_experts= may replace it; the arguments after it stay
+        # required (None is refused with a TypeError naming them), weight_path excepted.
+        gpu_experts_mask: torch.Tensor | Sequence[bool] | int | None = None,
+        cpuinfer_threads: int | None = None,
+        threadpool_count: int | None = None,
+        weight_path: str | None = None,
+        chunked_prefill_size: int | None = None,
         cpu_save: bool = False,
         max_deferred_experts_per_token: int | None = None,
         method: str = "AMXINT4",
         numa_nodes: Sequence[int] | None = None,
+        *,
+        num_gpu_experts: int | None = None,
+        mode: str = "inference",
         swiglu_limit: float | None = None,
         swiglu_alpha: float | None = None,
         int8_activations: bool = False,
     ) -> None:
+        if mode == "sft":
+            raise NotImplementedError("SFT mode is not supported: kt_kernel runs inference only")
+        if mode != "inference":
+            raise ValueError(f"mode must be 'inference' (upstream's 'sft' is not supported), got {mode!r}")
         self.layer_idx = _require_int("layer_idx", layer_idx, 0)
         self.num_experts = _require_int("num_experts", num_experts, 1)
         self.num_experts_per_tok = _require_int("num_experts_per_tok", num_experts_per_tok, 1)
@@ -186,11 +219,16 @@ class KTMoEWrapper:
                 "each subpool needs a thread"
             )
         self.chunked_prefill_size = _require_int("chunked_prefill_size", chunked_prefill_size, 1)
-        if max_deferred_experts_per_token is not None and max_deferred_experts_per_token > 0:
+        deferred = 0
+        if max_deferred_experts_per_token is not None:
+            deferred = _require_int("max_deferred_experts_per_token", max_deferred_experts_per_token, 0)
+        if deferred > 0:
             raise NotImplementedError(
                 "deferred experts are not supported yet: max_deferred_experts_per_token must be None or 0"
             )
-        self.method = self._check_method(method)
+        self.max_deferred_experts_per_token = deferred
+        self.weight_format = self._check_method(method)
+        self.method = method
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)
         self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
@@ -199,10 +237,13 @@ class KTMoEWrapper:
         if not isinstance(int8_activations, bool):
             raise TypeError(f"int8_activations must be a bool, got {type(int8_activations).__name__}")
         self.int8_activations = int8_activations
-        self.gpu_experts_mask = self._check_gpu_mask(gpu_experts_mask)
+        # The engines read this tensor's memory at every submit: it is replaced only in place.
+        self._gpu_experts_mask = self._initial_gpu_mask(gpu_experts_mask, num_gpu_experts)
         self._layer, self._subpools = self._make_subpools(
-            torch.nonzero(self.gpu_experts_mask).flatten().tolist()
+            torch.nonzero(self._gpu_experts_mask).flatten().tolist()
         )
+        # Per projection, the inputs one scale covers (MXFP4: 32, INT4: its group), set at load.
+        self._scale_blocks: dict[str, int] = {}
         self._loaded = False
         # _lock guards the engines and _in_flight: every method takes turns on it, so calls from
         # several Python threads are serialized (or refused while a forward is in flight).
@@ -232,14 +273,14 @@ class KTMoEWrapper:
     def _make_subpools(self, skip: list[int]) -> tuple[Any, list[_Subpool]]:
         """The engines (one per subpool, ext.MoESubpools) and what each was given."""
         count, inter, threads = self.threadpool_count, self.moe_intermediate_size, self.cpuinfer_threads
-        slices = split_intermediate(inter, count, intermediate_granularity(self.method, inter))
+        slices = split_intermediate(inter, count, intermediate_granularity(self.weight_format, inter))
         pins = numa.plan_pinning(count, self.numa_nodes, numa.discover_nodes(), numa.allowed_cpus())
         shares = [threads // count + (i < threads % count) for i in range(count)]
         layer = ext.MoESubpools(
             self.num_experts,
             self.num_experts_per_tok,
             self.hidden_size,
-            self.method,
+            self.weight_format,
             [stop - start for start, stop in slices],
             shares,
             [[] if pin is None else pin[1] for pin in pins],
@@ -275,6 +316,46 @@ class KTMoEWrapper:
             self._require_idle("query the worker threads")
             return [sp.engine.worker_cpus() for sp in self._subpools]
 
+    def _initial_gpu_mask(
+        self, mask: torch.Tensor | Sequence[bool] | int | None, count: int | None
+    ) -> torch.Tensor:
+        if isinstance(mask, int) and not isinstance(mask, bool):
+            # Upstream's older signature had num_gpu_experts in gpu_experts_mask's place.
+            if count is not None and count != mask:
+                raise ValueError(f"num_gpu_experts is given twice: {mask} and {count}")
+            mask, count = None, mask
+        if count is not None:
+            _require_int("num_gpu_experts", count, 0)
+            if count > self.num_experts:
+                raise ValueError(f"num_gpu_experts ({count}) cannot exceed num_experts ({self.num_experts})")
+        if mask is None:
+            # Upstream's num_gpu_experts = n puts experts 0..n-1 on the GPU.
+            checked = torch.zeros(self.num_experts, dtype=torch.bool)
+            checked[: count or 0] = True
+            return checked
+        checked = self._check_gpu_mask(mask)
+        if count is not None and int(checked.sum()) != count:
+            raise ValueError(
+                f"num_gpu_experts={count} disagrees with gpu_experts_mask, "
+                f"which marks {int(checked.sum())} experts"
+            )
+        return checked
+
+    @property
+    def gpu_experts_mask(self) -> torch.Tensor:
+        """CPU bool [num_experts]: True = computed on the GPU, skipped here. Update it in place or
+        assign it; the engines see the change at the next submit_forward."""
+        return self._gpu_experts_mask
+
+    @gpu_experts_mask.setter
+    def gpu_experts_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> None:
+        self._gpu_experts_mask.copy_(self._check_gpu_mask(mask))
+
+    @property
+    def num_gpu_experts(self) -> int:
+        """How many experts gpu_experts_mask marks now."""
+        return int(self._gpu_experts_mask.sum())
+
     def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
         if mask is None:
             return torch.zeros(self.num_experts, dtype=torch.bool)
@@ -284,7 +365,7 @@ class KTMoEWrapper:
         if mask.dtype != torch.bool:
             raise TypeError(f"gpu_experts_mask must be a bool tensor, got {mask.dtype}")
         _require_shape("gpu_experts_mask", mask, (self.num_experts,), "[num_experts]")
-        return mask.clone()
+        return mask.clone(memory_format=torch.contiguous_format)  # the engines read its memory
 
     # ---- weights ------------------------------------------------------------------------------
     def load_weights_from_tensors(
@@ -329,8 +410,8 @@ class KTMoEWrapper:
         weights = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
         scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
         given = [name for name, scale in scales.items() if scale is not None]
-        if given and self.method == "BF16":
-            raise ValueError(f"{self.method} weights take no scales, got {', '.join(given)}")
+        if given and self.weight_format == "BF16":
+            raise ValueError(f"{self.weight_format} weights take no scales, got {', '.join(given)}")
         if given and len(given) != 3:
             raise ValueError("pass all of gate_scale, up_scale and down_scale, or none of them")
         for name, tensor in weights.items():
@@ -339,7 +420,7 @@ class KTMoEWrapper:
                 raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
         sources = weights["gate_proj"].shape[0]
         slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
-        if given and self.method == "MXFP4":
+        if given and self.weight_format == "MXFP4":
             canonical = self._canonical_mxfp4(weights, scales, sources)
         elif given:
             canonical = self._canonical_integer(weights, scales, sources)
@@ -348,23 +429,29 @@ class KTMoEWrapper:
                 if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
                     raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
                 _require_shape(name, tensor, *self._projection_shape(name, sources, 1))
-            if self.method == "BF16":
+            if self.weight_format == "BF16":
                 canonical = [w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()]
             else:
-                canonical = [t for n, w in weights.items() for t in _quantize_per_expert(n, self.method, w)]
-                if self.method != "MXFP4":
+                canonical = [
+                    t for n, w in weights.items() for t in _quantize_per_expert(n, self.weight_format, w)
+                ]
+                if self.weight_format != "MXFP4":
                     canonical = self._engine_integer_layout(canonical)
         # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
         # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
         self._loaded = False
+        if self.weight_format in ("MXFP4", "INT4"):  # scales [E, N, K / block] follow each projection
+            scale_tensors = dict(zip(("gate", "up", "down"), canonical[1::2], strict=True))
+            k = {"gate": self.hidden_size, "up": self.hidden_size, "down": self.moe_intermediate_size}
+            self._scale_blocks = {name: k[name] // t.shape[2] for name, t in scale_tensors.items()}
         for sp in self._subpools:
             tensors = self._slice_intermediate(canonical, sp.start, sp.stop)
-            if self.method == "BF16":
+            if self.weight_format == "BF16":
                 sp.engine.load_bf16(*tensors, slot_map)
-            elif self.method == "MXFP4":
+            elif self.weight_format == "MXFP4":
                 sp.engine.load_mxfp4(*tensors, slot_map)
             else:
-                sp.engine.load_integer(*tensors, slot_map, self.method)
+                sp.engine.load_integer(*tensors, slot_map, self.weight_format)
         self._loaded = True
 
     def _slice_intermediate(self, tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
@@ -375,16 +462,16 @@ class KTMoEWrapper:
         inter = self.moe_intermediate_size
         if (start, stop) == (0, inter):
             return tensors
-        if self.method == "BF16":
+        if self.weight_format == "BF16":
             gate, up, down = tensors
             return [t[:, start:stop].contiguous() for t in (gate, up)] + [down[..., start:stop].contiguous()]
         gate, gate_scale, up, up_scale, down, down_scale = tensors
-        per_byte = 1 if self.method == "INT8" else 2  # MXFP4 and INT4 hold two inputs per byte
+        per_byte = 1 if self.weight_format == "INT8" else 2  # MXFP4 and INT4 hold two inputs per byte
 
         def columns(tensor: torch.Tensor, unit: int) -> torch.Tensor:
             return tensor[..., start // unit : stop // unit].contiguous()
 
-        if self.method != "INT8":
+        if self.weight_format != "INT8":
             down_scale = columns(down_scale, inter // down_scale.shape[2])
         return [
             *(t[:, start:stop].contiguous() for t in (gate, gate_scale, up, up_scale)),
@@ -426,13 +513,14 @@ class KTMoEWrapper:
         self, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor | None], sources: int
     ) -> list[torch.Tensor]:
         """Checked INT8 / INT4 values and scales in the engine's layout, gate, gate_scale, up, ... order."""
-        int4 = self.method == "INT4"
+        int4 = self.weight_format == "INT4"
         checked = []
         for (name, values), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True):
             allowed = (torch.uint8, torch.int8) if int4 else (torch.int8,)
             if values.dtype not in allowed:
                 kind = "two 4-bit values per byte as uint8 or int8" if int4 else "int8"
-                raise TypeError(f"{name} must hold {self.method} weights as {kind}, got {values.dtype}")
+                fmt = self.weight_format
+                raise TypeError(f"{name} must hold {fmt} weights as {kind}, got {values.dtype}")
             _require_shape(name, values, *self._projection_shape(name, sources, 2 if int4 else 1))
             scale = _require_cpu_tensor(scale_name, scale)
             if scale.dtype not in (torch.float32, torch.bfloat16):
@@ -498,13 +586,15 @@ class KTMoEWrapper:
         if physical_to_logical_map_cpu is not None:
             sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
         if checkpoint.read_manifest(self.weight_path) is not None:
-            tensors = checkpoint.read_converted_layer(self.weight_path, self.layer_idx, sources, self.method)
-        elif self.method == "MXFP4":
+            tensors = checkpoint.read_converted_layer(
+                self.weight_path, self.layer_idx, sources, self.weight_format
+            )
+        elif self.weight_format == "MXFP4":
             tensors = checkpoint.read_v4_flash_experts(self.weight_path, self.layer_idx, sources)
         else:
             raise NotImplementedError(
                 f"{self.weight_path} holds no {checkpoint.MANIFEST_NAME}; convert it first with "
-                f"`kt-kernel convert {self.weight_path} OUTPUT_DIR --format {self.method.lower()}`"
+                f"`kt-kernel convert {self.weight_path} OUTPUT_DIR --format {self.weight_format.lower()}`"
             )
         self.load_weights_from_tensors(
             tensors.pop("gate"),
@@ -551,8 +641,14 @@ class KTMoEWrapper:
             out = torch.empty_like(x)
             if x.shape[0] > 0:
                 # _check_inputs made them contiguous with the engine's dtypes and shapes.
+                # The engines compare the mask with the one they hold (a memcmp) and update on change.
                 self._layer.submit_addresses(
-                    x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(), out.data_ptr()
+                    x.data_ptr(),
+                    x.shape[0],
+                    ids.data_ptr(),
+                    weights.data_ptr(),
+                    out.data_ptr(),
+                    self._gpu_experts_mask.data_ptr(),
                 )
             self._in_flight = out  # the engines write it until sync
 
@@ -570,6 +666,100 @@ class KTMoEWrapper:
             finally:
                 self._in_flight = None
             return out
+
+    # ---- writing an expert back (SGLang uploads CPU experts to the GPU for long prefills) -------
+    def submit_write_weight_scale_to_buffer(
+        self,
+        gpu_tp_count: int,
+        expert_id: int,
+        w13_weight_ptrs: Sequence[int],
+        w13_scale_ptrs: Sequence[int] | None,
+        w2_weight_ptrs: Sequence[int],
+        w2_scale_ptrs: Sequence[int] | None,
+    ) -> None:
+        """Write physical slot ``expert_id``'s weights and scales into caller buffers, in the
+        canonical layout ``load_weights_from_tensors`` takes with scales (BF16: bf16, no scales;
+        INT8: int8 [N, K] + float32 [N]; INT4: uint8 [N, K/2] + float32 [N, K/G]; MXFP4: uint8
+        codes [N, K/2] + E8M0 bytes [N, K/32]), bit-exact: the bytes that were loaded, or that
+        kt_kernel.quant.quantize made on load.
+
+        The pointer lists hold ``gpu_tp_count`` raw addresses (``tensor.data_ptr()``); part r
+        covers intermediate rows [r * I/tp, (r + 1) * I/tp) (I = moe_intermediate_size):
+        ``w13_weight_ptrs[r]``: gate rows of the part then up rows, [2 * I/tp, H] values;
+        ``w13_scale_ptrs[r]``: their scales, the same rows; ``w2_weight_ptrs[r]``: columns of the
+        part of every down row, [H, I/tp]; ``w2_scale_ptrs[r]``: their scales (INT8: all H row
+        scales, [H]). Scale lists may be None or empty for BF16. Each buffer must be that large.
+
+        The work is done here, on the engines' threads, before this returns;
+        ``sync_write_weight_scale_to_buffer`` then has nothing left to wait for.
+        """
+        with self._lock:
+            self._require_idle("write weights back")
+            if not self._loaded:
+                raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
+            fmt, H, inter = self.weight_format, self.hidden_size, self.moe_intermediate_size
+            tp = _require_int("gpu_tp_count", gpu_tp_count, 1)
+            down_block = self._scale_blocks.get("down", 1)
+            if inter % tp or (inter // tp) % down_block:
+                keep = f" into whole blocks of {down_block} inputs per down scale" if down_block > 1 else ""
+                raise ValueError(
+                    f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}"
+                )
+            expert = _require_int("expert_id", expert_id, 0)
+            if expert >= self.num_experts:
+                raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert}")
+            w13 = _require_addresses("w13_weight_ptrs", w13_weight_ptrs, tp)
+            w2 = _require_addresses("w2_weight_ptrs", w2_weight_ptrs, tp)
+            if fmt == "BF16":
+                for name, ptrs in (("w13_scale_ptrs", w13_scale_ptrs), ("w2_scale_ptrs", w2_scale_ptrs)):
+                    if ptrs is not None and not isinstance(ptrs, (list, tuple)):
+                        raise TypeError(f"{name} must be a list, empty or None for BF16")
+                s13 = s2 = [0] * tp  # BF16 has no scales
+            else:
+                s13 = _require_addresses("w13_scale_ptrs", w13_scale_ptrs, tp)
+                s2 = _require_addresses("w2_scale_ptrs", w2_scale_ptrs, tp)
+            if self._scale_blocks.get("gate") != self._scale_blocks.get("up"):
+                raise ValueError(
+                    "gate and up were loaded with different INT4 group sizes: w13 scale rows cannot hold both"
+                )
+            gate_block = self._scale_blocks.get("gate", 1)
+            part = inter // tp
+            h_bytes, h_scale_bytes = self._canonical_bytes(H), self._canonical_scale_bytes(H, gate_block)
+            part_bytes = self._canonical_bytes(part)
+            part_scale_bytes = self._canonical_scale_bytes(part, down_block)
+            for r in range(tp):
+                first, last = r * part, (r + 1) * part
+                for sp in self._subpools:  # each holds rows [start, stop) of I
+                    lo, hi = max(first, sp.start), min(last, sp.stop)
+                    if lo >= hi:
+                        continue
+                    for name, row in (("gate", lo - first), ("up", part + lo - first)):
+                        sp.engine.unpack(
+                            name, expert, lo - sp.start, hi - lo, 0, H,
+                            w13[r] + row * h_bytes, h_bytes, s13[r] + row * h_scale_bytes, h_scale_bytes,
+                        )  # fmt: skip
+                    # INT8's down scales are one per row, the same in every part.
+                    column = self._canonical_bytes(lo - first)
+                    scale_column = 0 if fmt == "INT8" else self._canonical_scale_bytes(lo - first, down_block)
+                    sp.engine.unpack(
+                        "down", expert, 0, H, lo - sp.start, hi - lo,
+                        w2[r] + column, part_bytes, s2[r] + scale_column, part_scale_bytes,
+                    )  # fmt: skip
+
+    def sync_write_weight_scale_to_buffer(self) -> None:
+        """Kept for upstream's call sequence: submit_write_weight_scale_to_buffer finished the work."""
+
+    def _canonical_bytes(self, inputs: int) -> int:
+        """Bytes of ``inputs`` canonical weights of one row."""
+        return {"BF16": 2 * inputs, "INT8": inputs}.get(self.weight_format, inputs // 2)
+
+    def _canonical_scale_bytes(self, inputs: int, block: int) -> int:
+        """Bytes of the canonical scales of ``inputs`` weights of one row (INT8: the row's one float)."""
+        if self.weight_format == "BF16":
+            return 0
+        if self.weight_format == "INT8":
+            return 4
+        return inputs // block * (1 if self.weight_format == "MXFP4" else 4)
 
     def close(self) -> None:
         """Wait for a forward in flight, then free the weights and stop the worker threads.
