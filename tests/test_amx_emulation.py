@@ -115,7 +115,7 @@ def test_tiles_within_half_a_percent_on_outlier_activations(emulated, method):
     from test_accuracy import BOUND, accuracy_case
 
     def forward(load, x, ids, topk_weights):
-        layer = emulated.MoESubpools(8, 2, 256, method, [128], [2], [[]], [])
+        layer = emulated.MoESubpools(8, 2, 256, method, emulated.WorkerPools([2], [[]]), [128], [])
         tensors = [t.view(torch.int16) for t in load["tensors"]]
         if load["scales"]:
             scales = [s[..., None].contiguous() for s in load["scales"].values()]

@@ -190,11 +190,12 @@ NB_MODULE(KT_MODULE_NAME, m) {
       .def("__init__",
            [](kt::MoEEngine* self, int num_experts, int top_k, int hidden, int intermediate, const std::string& method,
               int threads, const std::vector<int>& skip_experts) {
-             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, parse_format(method), threads,
-                                      skip_experts);
+             require(threads >= 1, "threads must be >= 1");
+             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, parse_format(method),
+                                      std::make_shared<kt::ThreadPool>(threads), skip_experts);
            },
            nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("method"),
-           nb::arg("threads"), nb::arg("skip_experts"))
+           nb::arg("threads"), nb::arg("skip_experts"), "An engine with a thread pool of its own (for tests).")
       .def("load_bf16",
            [](kt::MoEEngine& engine, Bf16In3 gate, Bf16In3 up, Bf16In3 down,
               CpuArray<const int64_t, nb::ndim<1>> source_of_slot) {
@@ -264,30 +265,31 @@ NB_MODULE(KT_MODULE_NAME, m) {
            "The CPUs each worker thread may run on, as the kernel reports them to the thread itself.")
       .def_prop_ro("pending", &kt::MoEEngine::pending);
 
+  nb::class_<kt::WorkerPools>(m, "WorkerPools", nb::is_weak_referenceable())
+      .def(nb::init<const std::vector<int>&, const std::vector<std::vector<int>>&>(), nb::arg("threads"),
+           nb::arg("cpus"),
+           "The process's worker threads, shared by every layer: subpool i gets threads[i] threads pinned to "
+           "cpus[i] (empty: not pinned).")
+      .def("__len__", &kt::WorkerPools::size);
+
   nb::class_<kt::MoESubpools>(m, "MoESubpools")
       .def("__init__",
            [](kt::MoESubpools* self, int num_experts, int top_k, int hidden, const std::string& method,
-              const std::vector<int>& intermediates, const std::vector<int>& threads,
-              const std::vector<std::vector<int>>& cpus, const std::vector<int>& skip_experts,
-              bool int8_activations, float swiglu_limit, float swiglu_alpha) {
-             require(threads.size() == intermediates.size() && cpus.size() == intermediates.size(),
-                     "intermediates, threads and cpus need one entry per subpool");
-             std::vector<kt::MoESubpools::Subpool> subpools;
+              const kt::WorkerPools& pools, const std::vector<int>& intermediates,
+              const std::vector<int>& skip_experts, bool int8_activations, float swiglu_limit, float swiglu_alpha) {
              int intermediate = 0;
-             for (size_t i = 0; i < intermediates.size(); ++i) {
-               subpools.push_back({intermediates[i], threads[i], cpus[i]});
-               intermediate += intermediates[i];
-             }
-             new (self) kt::MoESubpools({num_experts, top_k, hidden, intermediate}, parse_format(method), subpools,
-                                        skip_experts,
-                                        kt::EngineOptions{{}, kt::kInlineMultiplyAdds, int8_activations, swiglu_limit,
-                                                          swiglu_alpha});
+             for (int slice : intermediates) intermediate += slice;
+             kt::EngineOptions options;
+             options.int8_activations = int8_activations;
+             options.swiglu_limit = swiglu_limit;
+             options.swiglu_alpha = swiglu_alpha;
+             new (self) kt::MoESubpools({num_experts, top_k, hidden, intermediate}, parse_format(method), pools,
+                                        intermediates, skip_experts, options);
            },
-           nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("method"), nb::arg("intermediates"),
-           nb::arg("threads"), nb::arg("cpus"), nb::arg("skip_experts"), nb::arg("int8_activations") = false,
+           nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("method"), nb::arg("pools"),
+           nb::arg("intermediates"), nb::arg("skip_experts"), nb::arg("int8_activations") = false,
            nb::arg("swiglu_limit") = 0.0f, nb::arg("swiglu_alpha") = 0.0f,
-           "Subpool i: an engine of intermediates[i] rows of I (consecutive slices), threads[i] threads pinned to "
-           "cpus[i] (empty: not pinned).")
+           "Subpool i: an engine of intermediates[i] rows of I (consecutive slices) on pools' subpool i.")
       .def("__len__", &kt::MoESubpools::size)
       .def("engine", &kt::MoESubpools::engine, nb::rv_policy::reference_internal,
            "Subpool i's engine, to load its slice of the weights.")

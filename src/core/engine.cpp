@@ -226,8 +226,8 @@ void sum_to_bf16(const std::vector<AlignedBuffer<float>>& parts, size_t begin, s
 
 }  // namespace
 
-MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts,
-                     const EngineOptions& options)
+MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+                     const std::vector<int>& skip_experts, const EngineOptions& options)
     : shape_(shape),
       format_(format),
       quantized_activations_(quantizes_activations(format)),
@@ -236,7 +236,8 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
       swiglu_alpha_(options.swiglu_alpha),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
-      pool_((require(threads >= 1, "cpuinfer_threads must be >= 1"), threads), options.cpus) {
+      pool_(std::move(pool)) {
+  require(pool_ != nullptr, "an engine needs a thread pool");
   require(shape.num_experts >= 1, "num_experts must be >= 1");
   require(shape.top_k >= 1 && shape.top_k <= shape.num_experts,
           "num_experts_per_tok must be in [1, num_experts]");
@@ -254,7 +255,7 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
     require(e >= 0 && e < shape.num_experts, "gpu_experts_mask names an expert outside [0, num_experts)");
     skip_[e] = 1;
   }
-  scratch_.resize(threads);
+  scratch_.resize(pool_->size());
   parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
   hidden_q_.parts = activation_q_.parts = parts_;
 }
@@ -262,7 +263,7 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, int threads, const std
 MoEEngine::~MoEEngine() {
   if (!pending_ || ran_inline_) return;
   try {
-    pool_.wait();  // the workers write into buffers this object owns
+    pool_->wait(job_);  // the workers write into buffers this object owns
   } catch (...) {  // a forked child: the work is lost and nothing runs on these buffers
   }
 }
@@ -281,8 +282,8 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
   down_.allocate(format_, E, H, I, down.scale_group);
   // Packed by the pool's threads, so each expert's pages are first touched by a worker. Skipped
   // (GPU) slots too: the mask may hand them back to the CPU at any submit.
-  pool_.run([&](int worker) {
-    for (int slot = worker; slot < E; slot += pool_.size()) {
+  pool_->run([&](int worker) {
+    for (int slot = worker; slot < E; slot += pool_->size()) {
       const size_t source = size_t(source_of_slot[slot]);
       pack(gate_, gate, slot, source);
       pack(up_, up, slot, source);
@@ -318,10 +319,10 @@ void MoEEngine::unpack(Projection projection, int expert, const UnpackRegion& re
               (region.values != nullptr && (format_ == WeightFormat::kBf16 || region.scales != nullptr)),
           "unpack needs destinations for the values and scales");
   const PackedGroups all = p.groups(expert, 0, packed_groups(p.rows));
-  pool_.run([&](int worker) {
+  pool_->run([&](int worker) {
     // Worker w writes rows [w * rows / workers, (w + 1) * rows / workers) of the region.
-    const int first = int(int64_t(worker) * region.rows / pool_.size());
-    const int last = int(int64_t(worker + 1) * region.rows / pool_.size());
+    const int first = int(int64_t(worker) * region.rows / pool_->size());
+    const int last = int(int64_t(worker + 1) * region.rows / pool_->size());
     UnpackRegion share = region;
     share.row0 += first;
     share.rows = last - first;
@@ -436,14 +437,14 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   if (ran_inline_)
     forward_worker(0, 1, [] {});
   else
-    pool_.start([this](int worker) { forward_worker(worker, pool_.size(), [this] { pool_.barrier(); }); });
+    job_ = pool_->submit([this](int worker) { forward_worker(worker, pool_->size(), [this] { pool_->barrier(); }); });
 }
 
 void MoEEngine::sync() {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (!pending_) throw std::logic_error("sync without a submitted forward");
   pending_ = false;
-  if (!ran_inline_) pool_.wait();
+  if (!ran_inline_) pool_->wait(job_);
   if (failed_.load()) std::rethrow_exception(failure_);
 }
 
@@ -470,7 +471,7 @@ void MoEEngine::release_scratch() {
 std::vector<std::vector<int>> MoEEngine::worker_cpus() {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot query the workers while a forward is in flight");
-  return pool_.worker_cpus();
+  return pool_->worker_cpus();
 }
 
 // One worker's part of the call: gate/up tasks, then down tasks, phases separated by barrier() (a
@@ -560,21 +561,29 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
   }
 }
 
-MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const std::vector<Subpool>& subpools,
-                         const std::vector<int>& skip_experts, const EngineOptions& common)
-    : partials_(subpools.size()), hidden_(shape.hidden) {
-  require(!subpools.empty(), "threadpool_count must be >= 1");
+WorkerPools::WorkerPools(const std::vector<int>& threads, const std::vector<std::vector<int>>& cpus) {
+  require(!threads.empty() && threads.size() == cpus.size(), "threads and cpus need one entry per subpool");
+  for (size_t i = 0; i < threads.size(); ++i) {
+    require(threads[i] >= 1, "every subpool needs a thread");
+    pools_.push_back(std::make_shared<ThreadPool>(threads[i], cpus[i]));
+  }
+}
+
+MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const WorkerPools& pools,
+                         const std::vector<int>& intermediates, const std::vector<int>& skip_experts,
+                         const EngineOptions& common)
+    : partials_(intermediates.size()), hidden_(shape.hidden) {
+  require(int(intermediates.size()) == pools.size(), "one intermediate slice per subpool of the worker pools");
   int total = 0;
-  for (const Subpool& subpool : subpools) total += subpool.intermediate;
+  for (int intermediate : intermediates) total += intermediate;
   require(total == shape.intermediate, "the subpools' slices must add up to moe_intermediate_size");
-  for (const Subpool& subpool : subpools) {
+  for (int i = 0; i < pools.size(); ++i) {
     MoEShape slice = shape;
-    slice.intermediate = subpool.intermediate;
+    slice.intermediate = intermediates[i];
     // Each gets its share of the inline threshold: the whole layer's work decides, for all alike.
     EngineOptions options = common;
-    options.cpus = subpool.cpus;
-    options.inline_multiply_adds = common.inline_multiply_adds * subpool.intermediate / shape.intermediate;
-    engines_.push_back(std::make_unique<MoEEngine>(slice, format, subpool.threads, skip_experts, options));
+    options.inline_multiply_adds = common.inline_multiply_adds * intermediates[i] / shape.intermediate;
+    engines_.push_back(std::make_unique<MoEEngine>(slice, format, pools.pool(i), skip_experts, options));
   }
 }
 
@@ -627,15 +636,16 @@ void MoESubpools::sync() {
   for (std::unique_ptr<MoEEngine>& engine : engines_) workers += engine->pool().size();
   const size_t units = (out_count_ + kReduceUnit - 1) / kReduceUnit;
   int first_worker = 0;
+  std::vector<ThreadPool::Ticket> tickets;
   for (std::unique_ptr<MoEEngine>& engine : engines_) {
-    engine->pool().start([this, first_worker, workers, units](int worker) {
+    tickets.push_back(engine->pool().submit([this, first_worker, workers, units](int worker) {
       const size_t g = size_t(first_worker + worker);
       const size_t begin = g * units / workers * kReduceUnit, end = (g + 1) * units / workers * kReduceUnit;
       sum_to_bf16(partials_, begin, std::min(end, out_count_), out_);
-    });
+    }));
     first_worker += engine->pool().size();
   }
-  for (std::unique_ptr<MoEEngine>& engine : engines_) engine->pool().wait();
+  for (int i = 0; i < size(); ++i) engines_[i]->pool().wait(tickets[i]);
 }
 
 void MoESubpools::set_gpu_experts(const uint8_t* gpu_mask) {

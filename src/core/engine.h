@@ -89,7 +89,6 @@ double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjecti
 constexpr double kInlineMultiplyAdds = 2e6;
 
 struct EngineOptions {
-  std::vector<int> cpus;  // the workers pin themselves to these CPUs (a NUMA node's); empty: no pinning
   // A subpool of a split layer gets its share of the threshold, so the whole layer's work decides.
   double inline_multiply_adds = kInlineMultiplyAdds;
   // The integer formats quantize each activation row to int8 once (faster, lossy: see kernels.h).
@@ -105,8 +104,10 @@ class MoEEngine {
  public:
   // skip_experts: ids computed elsewhere (GPU-resident); their routing entries are ignored until
   // set_gpu_experts changes the set.
-  MoEEngine(MoEShape shape, WeightFormat format, int threads, const std::vector<int>& skip_experts,
-            const EngineOptions& options = {});
+  // pool: the worker threads it runs on, shared with other engines (other layers): their calls
+  // take turns on it in submit order.
+  MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+            const std::vector<int>& skip_experts, const EngineOptions& options = {});
   ~MoEEngine();
 
   // gate, up: [num_sources, intermediate, hidden]; down: [num_sources, hidden, intermediate], in
@@ -138,7 +139,7 @@ class MoEEngine {
   // The CPUs each worker thread may run on, read back from the kernel by the worker itself.
   std::vector<std::vector<int>> worker_cpus();
   // The engine's threads, for work on its CPUs between forwards (the subpools' reduction).
-  ThreadPool& pool() { return pool_; }
+  ThreadPool& pool() { return *pool_; }
 
  private:
   struct ThreadScratch {
@@ -169,6 +170,7 @@ class MoEEngine {
   bool loaded_ = false;
   bool pending_ = false;
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
+  ThreadPool::Ticket job_ = 0;  // the pool's job of the call in flight
   PackedProjection gate_, up_, down_;
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
 
@@ -191,23 +193,31 @@ class MoEEngine {
   std::exception_ptr failure_;  // the first exception of the call in flight; set once failed_ is won
   int gate_up_tasks_ = 0, down_tasks_ = 0;
 
-  ThreadPool pool_;
+  std::shared_ptr<ThreadPool> pool_;
+};
+
+// The worker threads of the process (upstream's CPUInfer), shared by every layer: one ThreadPool
+// per subpool (threadpool_count), each with its share of the threads, pinned to its CPUs if given.
+class WorkerPools {
+ public:
+  // threads[i] workers for subpool i, pinned to cpus[i] (empty: not pinned).
+  WorkerPools(const std::vector<int>& threads, const std::vector<std::vector<int>>& cpus);
+  int size() const { return int(pools_.size()); }
+  const std::shared_ptr<ThreadPool>& pool(int index) const { return pools_.at(index); }
+
+ private:
+  std::vector<std::shared_ptr<ThreadPool>> pools_;
 };
 
 // The subpools of one layer (upstream's threadpool_count): one engine per contiguous slice of the
-// intermediate dimension, each with its own threads (pinned to a NUMA node's CPUs if asked). They
+// intermediate dimension, each on its pool of `pools` (pinned to a NUMA node's CPUs if asked). They
 // run concurrently; their fp32 partial outputs are summed in subpool order and rounded to bf16
 // once, in sync(). One subpool writes bf16 directly.
 class MoESubpools {
  public:
-  struct Subpool {
-    int intermediate;       // the slice's size
-    int threads;
-    std::vector<int> cpus;  // empty: not pinned
-  };
-  // shape.intermediate is the whole layer's; the slices must add up to it. Each engine gets
-  // `options` with its subpool's CPUs and share of the inline threshold.
-  MoESubpools(MoEShape shape, WeightFormat format, const std::vector<Subpool>& subpools,
+  // shape.intermediate is the whole layer's; intermediates[i], subpool i's slice, must add up to it
+  // and name one slice per pool. Each engine gets `options` with its share of the inline threshold.
+  MoESubpools(MoEShape shape, WeightFormat format, const WorkerPools& pools, const std::vector<int>& intermediates,
               const std::vector<int>& skip_experts, const EngineOptions& options = {});
   MoESubpools(const MoESubpools&) = delete;
   MoESubpools& operator=(const MoESubpools&) = delete;

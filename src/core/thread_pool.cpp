@@ -107,7 +107,7 @@ void ThreadPool::spawn() {
   try {
     for (int i = 0; i < threads_; ++i) {
       try {
-        w.threads.emplace_back([&w, i] { worker_main(w, i); });
+        w.threads.emplace_back([&w, i, count = threads_] { worker_main(w, i, count); });
       } catch (const std::system_error& error) {
         throw std::system_error(error.code(), "cannot start worker thread " + std::to_string(i + 1) + " of " +
                                                   std::to_string(threads_));
@@ -136,7 +136,6 @@ void ThreadPool::stop(Workers& w) {
   {
     std::lock_guard<std::mutex> lock(w.mutex);
     w.stopping = true;
-    w.generation.fetch_add(1);
   }
   w.job_posted.notify_all();
   for (std::thread& thread : w.threads)
@@ -154,29 +153,31 @@ std::vector<std::vector<int>> ThreadPool::worker_cpus() {
   return cpus;
 }
 
-void ThreadPool::start(std::function<void(int)> job) {
+ThreadPool::Ticket ThreadPool::submit(std::function<void(int)> job) {
   if (forked()) respawn_after_fork();
   Workers& w = *workers_;
+  Ticket ticket;
   {
     std::lock_guard<std::mutex> lock(w.mutex);
-    w.job = std::move(job);
-    w.unfinished.store(size());
-    w.generation.fetch_add(1, std::memory_order_release);
+    w.queue.push_back(std::move(job));
+    ticket = w.submitted.fetch_add(1, std::memory_order_release);
   }
   w.job_posted.notify_all();
+  return ticket;
 }
 
-void ThreadPool::wait() {
+void ThreadPool::wait(Ticket ticket) {
   if (forked()) {
-    const bool lost = workers_->unfinished.load() != 0;
+    const bool lost = workers_->completed.load() <= ticket;
     respawn_after_fork();
     if (lost) throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
     return;
   }
   // No spinning here: the waiting (Python) thread would take a core from the workers.
   Workers& w = *workers_;
+  if (w.completed.load(std::memory_order_acquire) > ticket) return;
   std::unique_lock<std::mutex> lock(w.mutex);
-  w.job_finished.wait(lock, [&w] { return w.unfinished.load(std::memory_order_acquire) == 0; });
+  w.job_finished.wait(lock, [&] { return w.completed.load(std::memory_order_acquire) > ticket; });
 }
 
 void ThreadPool::barrier() {
@@ -193,22 +194,30 @@ void ThreadPool::barrier() {
   }
 }
 
-void ThreadPool::worker_main(Workers& w, int index) {
-  uint64_t seen = 0;
-  for (;;) {
-    if (!spin_until([&] { return w.generation.load(std::memory_order_acquire) != seen; })) {
+void ThreadPool::worker_main(Workers& w, int index, int count) {
+  for (uint64_t next = 0;; ++next) {
+    // Job `next` may start once it was submitted and every worker has left the job before it.
+    auto ready = [&] {
+      return w.submitted.load(std::memory_order_acquire) > next && w.completed.load(std::memory_order_acquire) == next;
+    };
+    if (!spin_until(ready)) {
       std::unique_lock<std::mutex> lock(w.mutex);
-      w.job_posted.wait(lock, [&] { return w.generation.load(std::memory_order_acquire) != seen; });
+      w.job_posted.wait(lock, [&] { return w.stopping || ready(); });
     }
+    const std::function<void(int)>* job;
     {
       std::lock_guard<std::mutex> lock(w.mutex);
       if (w.stopping) return;
-      seen = w.generation.load(std::memory_order_acquire);
+      job = &w.queue.front();  // deque: pushing behind it moves nothing
     }
-    w.job(index);  // start() replaces job only after wait(), i.e. when no worker is inside it
-    if (w.unfinished.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    (*job)(index);
+    if (w.finished_workers.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
       std::lock_guard<std::mutex> lock(w.mutex);
+      w.finished_workers.store(0, std::memory_order_relaxed);
+      w.queue.pop_front();
+      w.completed.store(next + 1, std::memory_order_release);
       w.job_finished.notify_all();
+      w.job_posted.notify_all();  // the others may wait for this job's end to start the next
     }
   }
 }

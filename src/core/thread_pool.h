@@ -1,14 +1,16 @@
-// A fixed set of worker threads that run one job at a time: job(worker_index) on every worker.
-// start() returns at once (that is what makes submit_forward asynchronous); wait() blocks until
-// every worker has finished. Inside a job, barrier() separates phases. Optionally every worker
-// pins itself to a set of CPUs (a NUMA node's) before it runs anything else.
+// A fixed set of worker threads that run jobs one after another, in the order they were submitted:
+// a job is job(worker_index) on every worker. submit() returns at once with a ticket (that is what
+// makes submit_forward asynchronous, and lets several layers be in flight on one pool); wait(ticket)
+// blocks until that job has finished. Inside a job, barrier() separates phases. Optionally every
+// worker pins itself to a set of CPUs (a NUMA node's) before it runs anything else.
 //
-// After fork() the child has none of the workers: the pool starts new ones on its next job. A job
-// that was in flight at the fork cannot finish in the child; wait() says so with an exception.
+// After fork() the child has none of the workers: the pool starts new ones on its next job. Jobs
+// that were queued or running at the fork cannot finish in the child; waiting for one throws.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -28,14 +30,15 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  using Ticket = uint64_t;
+
   int size() const { return threads_; }
-  // The job must not throw: it runs on worker threads and a throw there would abort.
-  void start(std::function<void(int)> job);
-  void wait();
-  void run(std::function<void(int)> job) {
-    start(std::move(job));
-    wait();
-  }
+  // Queues a job behind every job submitted before it. The job must not throw: it runs on worker
+  // threads and a throw there would abort.
+  Ticket submit(std::function<void(int)> job);
+  // Blocks until job `ticket` has finished (and so every job before it).
+  void wait(Ticket ticket);
+  void run(std::function<void(int)> job) { wait(submit(std::move(job))); }
   void barrier();
   // Each worker's allowed CPUs as the kernel reports them, read by the worker itself
   // (sched_getaffinity). Runs a job: not while another one is in flight.
@@ -47,11 +50,13 @@ class ThreadPool {
   // variable they waited on would block forever.
   struct Workers {
     std::vector<std::thread> threads;
-    std::function<void(int)> job;
     std::mutex mutex;
     std::condition_variable job_posted, job_finished;
-    std::atomic<uint64_t> generation{0};  // bumped for every job; workers spin on it, then sleep
-    std::atomic<int> unfinished{0};
+    std::deque<std::function<void(int)>> queue;  // jobs completed .. submitted - 1; guarded by mutex
+    // Jobs submitted and completed so far. Workers start job n once completed == n < submitted
+    // (spinning a while, then sleeping), so no worker enters a job before all have left the last.
+    std::atomic<uint64_t> submitted{0}, completed{0};
+    std::atomic<int> finished_workers{0};  // of the job running now
     bool stopping = false;  // guarded by mutex
     std::atomic<int> barrier_arrived{0};
     std::atomic<uint32_t> barrier_round{0};
@@ -61,7 +66,7 @@ class ThreadPool {
   bool forked() const;   // the workers are not this process's (a fork() child, or a failed spawn)
   void respawn_after_fork();
   static void stop(Workers& workers);
-  static void worker_main(Workers& workers, int index);
+  static void worker_main(Workers& workers, int index, int count);
 
   static constexpr uint64_t kNoWorkers = ~uint64_t(0);  // a failed spawn: never a fork generation
 

@@ -16,6 +16,7 @@ import torch
 
 from . import checkpoint, numa, quant
 from ._native import ext
+from .loader.load import debug
 
 #: Formats the engine runs today.
 IMPLEMENTED_FORMATS = ("BF16", "MXFP4", "INT8", "INT4")
@@ -121,6 +122,25 @@ def split_intermediate(intermediate: int, count: int, granularity: int) -> list[
             f"cut at multiples of {granularity}: use a smaller threadpool_count"
         )
     return slices
+
+
+# The worker threads of the process, shared by every layer as upstream's CPUInfer: one set per
+# configuration (threads per subpool, their CPUs), made by the first layer that asks for it and kept
+# while any layer holds it. A model gives every layer the same configuration, so it has one set.
+_pools_lock = threading.Lock()
+_pools: dict[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], weakref.ref] = {}
+
+
+def _shared_worker_pools(threads: list[int], cpus: list[list[int]]) -> Any:
+    """The process's ext.WorkerPools for threads[i] workers in subpool i pinned to cpus[i]."""
+    config = (tuple(threads), tuple(tuple(c) for c in cpus))
+    with _pools_lock:
+        pools = _pools[config]() if config in _pools else None
+        if pools is None:
+            pools = ext.WorkerPools(threads, cpus)
+            _pools[config] = weakref.ref(pools)
+            debug(f"worker threads for subpools of {list(threads)} threads started")
+        return pools
 
 
 @dataclass
@@ -276,14 +296,14 @@ class KTMoEWrapper:
         slices = split_intermediate(inter, count, intermediate_granularity(self.weight_format, inter))
         pins = numa.plan_pinning(count, self.numa_nodes, numa.discover_nodes(), numa.allowed_cpus())
         shares = [threads // count + (i < threads % count) for i in range(count)]
+        self._pools = _shared_worker_pools(shares, [[] if pin is None else pin[1] for pin in pins])
         layer = ext.MoESubpools(
             self.num_experts,
             self.num_experts_per_tok,
             self.hidden_size,
             self.weight_format,
+            self._pools,
             [stop - start for start, stop in slices],
-            shares,
-            [[] if pin is None else pin[1] for pin in pins],
             skip,
             int8_activations=self.int8_activations,
             swiglu_limit=self.swiglu_limit or 0.0,
@@ -775,7 +795,7 @@ class KTMoEWrapper:
             finally:
                 self._in_flight = None
                 self._loaded = False
-                self._layer, self._subpools = None, []
+                self._layer, self._subpools, self._pools = None, [], None
 
     def __del__(self) -> None:
         if getattr(self, "_lock", None) is not None:  # __init__ got that far
@@ -856,6 +876,8 @@ class KTMoEWrapper:
     @classmethod
     def _after_fork_in_child(cls) -> None:
         # Another thread of the parent may have held a lock at the fork; it does not exist here.
+        global _pools_lock
+        _pools_lock = threading.Lock()
         for wrapper in list(cls._instances):
             wrapper._lock = threading.Lock()
             wrapper._forward_lock = threading.Lock()
