@@ -59,7 +59,7 @@ def inputs(tokens: int = 3):
             "gpu_experts_mask must have shape",
         ),
         ({"gpu_experts_mask": torch.zeros(8)}, TypeError, "gpu_experts_mask must be a bool tensor"),
-        ({"max_deferred_experts_per_token": 2}, NotImplementedError, "deferred experts are not supported"),
+        ({"max_deferred_experts_per_token": 2}, ValueError, "must be less than num_experts_per_tok"),
         ({"threadpool_count": 3}, ValueError, r"threadpool_count \(3\) cannot exceed cpuinfer_threads"),
         ({"threadpool_count": 2, "numa_nodes": [0, 4099]}, ValueError, "NUMA node 4099"),
         (

@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from kt_kernel import KTMoEWrapper, generate_gpu_experts_masks  # SGLang's import line
-from kt_kernel import quant
+from kt_kernel import KTMoEWrapper, generate_gpu_experts_masks, quant  # SGLang's import line
 
 from moe_reference import assert_close_to_reference, make_problem, moe_wrapper, reference_forward
 
@@ -97,7 +96,6 @@ def test_num_gpu_experts_form():
         ({"gpu_experts_mask": 3, "num_gpu_experts": 2}, ValueError, "num_gpu_experts is given twice"),
         ({"mode": "sft"}, NotImplementedError, "SFT mode is not supported"),
         ({"mode": "training"}, ValueError, "mode must be 'inference'"),
-        ({"max_deferred_experts_per_token": 1}, NotImplementedError, "deferred experts are not supported"),
         ({"max_deferred_experts_per_token": -1}, ValueError, "max_deferred_experts_per_token must be >= 0"),
         ({"cpuinfer_threads": None}, TypeError, "cpuinfer_threads is required"),
         ({"lora_rank": 16}, TypeError, "lora_rank"),

@@ -55,4 +55,6 @@ def test_layers_in_flight_at_once_sync_in_any_order():
         ref = reference_forward(p)
         assert ((outputs[i].double() - ref).norm() / ref.norm()).item() < 0.01
     # The same again through forward(): the pool holds no state between calls.
-    assert torch.equal(layers[1].forward(problems[1].hidden, problems[1].ids, problems[1].weights), outputs[1])
+    assert torch.equal(
+        layers[1].forward(problems[1].hidden, problems[1].ids, problems[1].weights), outputs[1]
+    )

@@ -4,6 +4,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
@@ -291,6 +292,9 @@ NB_MODULE(KT_MODULE_NAME, m) {
            nb::arg("swiglu_limit") = 0.0f, nb::arg("swiglu_alpha") = 0.0f,
            "Subpool i: an engine of intermediates[i] rows of I (consecutive slices) on pools' subpool i.")
       .def("__len__", &kt::MoESubpools::size)
+      .def("twin", &kt::MoESubpools::twin,
+           "Subpools on the same weights, mask and threads with call state of their own: a second call of "
+           "this layer in flight (deferred experts).")
       .def("engine", &kt::MoESubpools::engine, nb::rv_policy::reference_internal,
            "Subpool i's engine, to load its slice of the weights.")
       .def("submit", &submit<kt::MoESubpools>, nb::call_guard<nb::gil_scoped_release>(),

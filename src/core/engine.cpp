@@ -228,14 +228,23 @@ void sum_to_bf16(const std::vector<AlignedBuffer<float>>& parts, size_t begin, s
 
 MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
                      const std::vector<int>& skip_experts, const EngineOptions& options)
+    : MoEEngine(shape, format, std::move(pool), std::make_shared<ExpertWeights>(), options) {
+  weights_->skip.assign(shape.num_experts, 0);
+  for (int e : skip_experts) {
+    require(e >= 0 && e < shape.num_experts, "gpu_experts_mask names an expert outside [0, num_experts)");
+    weights_->skip[e] = 1;
+  }
+}
+
+MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+                     std::shared_ptr<ExpertWeights> weights, const EngineOptions& options)
     : shape_(shape),
       format_(format),
+      options_(options),
       quantized_activations_(quantizes_activations(format)),
-      inline_multiply_adds_(options.inline_multiply_adds),
-      swiglu_limit_(options.swiglu_limit),
-      swiglu_alpha_(options.swiglu_alpha),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
+      weights_(std::move(weights)),
       pool_(std::move(pool)) {
   require(pool_ != nullptr, "an engine needs a thread pool");
   require(shape.num_experts >= 1, "num_experts must be >= 1");
@@ -250,14 +259,13 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<Thread
   if (format == WeightFormat::kInt8)
     require(shape.hidden <= kInt8MaxK && shape.intermediate <= kInt8MaxK,
             "INT8 needs hidden_size and moe_intermediate_size <= 65536");
-  skip_.assign(shape.num_experts, 0);
-  for (int e : skip_experts) {
-    require(e >= 0 && e < shape.num_experts, "gpu_experts_mask names an expert outside [0, num_experts)");
-    skip_[e] = 1;
-  }
   scratch_.resize(pool_->size());
   parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
   hidden_q_.parts = activation_q_.parts = parts_;
+}
+
+std::unique_ptr<MoEEngine> MoEEngine::twin() const {
+  return std::unique_ptr<MoEEngine>(new MoEEngine(shape_, format_, pool_, weights_, options_));
 }
 
 MoEEngine::~MoEEngine() {
@@ -277,20 +285,20 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
     require(source_of_slot[slot] >= 0 && source_of_slot[slot] < num_sources,
             "physical_to_logical_map_cpu[" + std::to_string(slot) + "] = " +
                 std::to_string(source_of_slot[slot]) + " is outside [0, " + std::to_string(num_sources) + ")");
-  gate_.allocate(format_, E, I, H, gate.scale_group);
-  up_.allocate(format_, E, I, H, up.scale_group);
-  down_.allocate(format_, E, H, I, down.scale_group);
+  weights_->gate.allocate(format_, E, I, H, gate.scale_group);
+  weights_->up.allocate(format_, E, I, H, up.scale_group);
+  weights_->down.allocate(format_, E, H, I, down.scale_group);
   // Packed by the pool's threads, so each expert's pages are first touched by a worker. Skipped
   // (GPU) slots too: the mask may hand them back to the CPU at any submit.
   pool_->run([&](int worker) {
     for (int slot = worker; slot < E; slot += pool_->size()) {
       const size_t source = size_t(source_of_slot[slot]);
-      pack(gate_, gate, slot, source);
-      pack(up_, up, slot, source);
-      pack(down_, down, slot, source);
+      pack(weights_->gate, gate, slot, source);
+      pack(weights_->up, up, slot, source);
+      pack(weights_->down, down, slot, source);
     }
   });
-  loaded_ = true;
+  weights_->loaded = true;
 }
 
 void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {
@@ -300,15 +308,16 @@ void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size
 void MoEEngine::set_gpu_experts(const uint8_t* gpu_mask) {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot change the GPU experts while a forward is in flight");
-  if (std::memcmp(skip_.data(), gpu_mask, skip_.size()) == 0) return;
-  for (size_t e = 0; e < skip_.size(); ++e) skip_[e] = gpu_mask[e] != 0;
+  if (std::memcmp(weights_->skip.data(), gpu_mask, weights_->skip.size()) == 0) return;
+  for (size_t e = 0; e < weights_->skip.size(); ++e) weights_->skip[e] = gpu_mask[e] != 0;
 }
 
 void MoEEngine::unpack(Projection projection, int expert, const UnpackRegion& region) {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot read weights back while a forward is in flight");
-  if (!loaded_) throw std::logic_error("weights are not loaded");
-  const PackedProjection& p = projection == Projection::kGate ? gate_ : projection == Projection::kUp ? up_ : down_;
+  if (!weights_->loaded) throw std::logic_error("weights are not loaded");
+  const ExpertWeights& w = *weights_;
+  const PackedProjection& p = projection == Projection::kGate ? w.gate : projection == Projection::kUp ? w.up : w.down;
   require(expert >= 0 && expert < shape_.num_experts, "expert id outside [0, num_experts)");
   require(region.row0 >= 0 && region.rows >= 0 && region.row0 <= p.rows - region.rows,
           "unpack rows outside the projection");
@@ -358,7 +367,7 @@ void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, con
 
 void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out,
                       float* out_f32) {
-  if (!loaded_) throw std::logic_error("weights are not loaded");
+  if (!weights_->loaded) throw std::logic_error("weights are not loaded");
   if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
   require(tokens >= 1, "the engine needs at least one token");
   const int E = shape_.num_experts, K = shape_.top_k;
@@ -372,7 +381,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
       if (id == -1) continue;
       require(id >= 0 && id < E, "topk_ids[" + std::to_string(t) + ", " + std::to_string(k) + "] = " +
                                      std::to_string(id) + " is outside [-1, " + std::to_string(E) + ")");
-      if (!skip_[id]) ++expert_rows_[id];
+      if (!weights_->skip[id]) ++expert_rows_[id];
     }
   active_experts_.clear();
   route_offset_.clear();
@@ -393,7 +402,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   for (int t = 0; t < tokens; ++t)
     for (int k = 0; k < K; ++k) {
       const int64_t id = ids[size_t(t) * K + k];
-      if (id == -1 || skip_[id]) continue;
+      if (id == -1 || weights_->skip[id]) continue;
       const int row = expert_rows_[id]++;
       route_token_[row] = t;
       route_weight_[row] = weights[size_t(t) * K + k];
@@ -433,7 +442,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   pending_ = true;
   // A tiny problem is done right here: handing it to the pool and waking this thread again would
   // cost more than the work.
-  ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= inline_multiply_adds_;
+  ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= options_.inline_multiply_adds;
   if (ran_inline_)
     forward_worker(0, 1, [] {});
   else
@@ -510,8 +519,8 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
     x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
          hidden_q_.view()};
 
-  PackedGroups gate = gate_.groups(expert, g0, block_groups);
-  const PackedGroups up = up_.groups(expert, g0, block_groups);
+  PackedGroups gate = weights_->gate.groups(expert, g0, block_groups);
+  const PackedGroups up = weights_->up.groups(expert, g0, block_groups);
   gate.next_values = up.values;
   gemm(x, gate, s.gate.data(), kBlockCols);
   gemm(x, up, s.up.data(), kBlockCols);
@@ -519,7 +528,7 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   sum_parts(s.up.data(), rows, parts_, block_groups * kGroupRows, kBlockCols);
   for (int i = 0; i < rows; ++i)
     swiglu_to_bf16(s.gate.data() + i * kBlockCols, s.up.data() + i * kBlockCols, block_groups * kGroupRows,
-                   swiglu_limit_, swiglu_alpha_, activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
+                   options_.swiglu_limit, options_.swiglu_alpha, activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
 }
 
 // One block of output columns for every token: down projections of all active experts, weighted
@@ -536,9 +545,9 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
     Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = activation_q_.view(first);
-    PackedGroups down = down_.groups(expert, g0, block_groups);
+    PackedGroups down = weights_->down.groups(expert, g0, block_groups);
     if (active + 1 < active_experts_.size())
-      down.next_values = down_.groups(active_experts_[active + 1], g0, block_groups).values;
+      down.next_values = weights_->down.groups(active_experts_[active + 1], g0, block_groups).values;
     gemm(x, down, s.down.data(), kBlockCols);
     sum_parts(s.down.data(), rows, parts_, block_cols, kBlockCols);
     for (int i = 0; i < rows; ++i) {
@@ -585,6 +594,13 @@ MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const WorkerPools&
     options.inline_multiply_adds = common.inline_multiply_adds * intermediates[i] / shape.intermediate;
     engines_.push_back(std::make_unique<MoEEngine>(slice, format, pools.pool(i), skip_experts, options));
   }
+}
+
+std::unique_ptr<MoESubpools> MoESubpools::twin() const {
+  std::unique_ptr<MoESubpools> twin(new MoESubpools(hidden_));
+  twin->partials_.resize(engines_.size());
+  for (const std::unique_ptr<MoEEngine>& engine : engines_) twin->engines_.push_back(engine->twin());
+  return twin;
 }
 
 MoEEngine& MoESubpools::engine(int index) {

@@ -100,6 +100,14 @@ struct EngineOptions {
 
 enum class Projection { kGate, kUp, kDown };
 
+// The packed experts of a layer (or of a subpool's slice), shared by the engines that run calls on
+// them (MoEEngine::twin), with the set of experts computed elsewhere.
+struct ExpertWeights {
+  PackedProjection gate, up, down;
+  std::vector<uint8_t> skip;  // per expert: 1 = GPU-resident, its routing entries are ignored
+  bool loaded = false;
+};
+
 class MoEEngine {
  public:
   // skip_experts: ids computed elsewhere (GPU-resident); their routing entries are ignored until
@@ -123,6 +131,9 @@ class MoEEngine {
   // Writes slot `expert`'s rows and inputs of one projection given by `region` back in the
   // canonical layout (unpack.h), on the pool's threads. Not while a forward is in flight.
   void unpack(Projection projection, int expert, const UnpackRegion& region);
+  // An engine on the same weights, mask and threads with a call state of its own, so a second
+  // call of this layer can be in flight (deferred experts). Loads go through the first engine.
+  std::unique_ptr<MoEEngine> twin() const;
 
   // Starts a forward over `tokens` rows and returns at once (a tiny one is computed right away).
   // Routing and hidden (bf16 [tokens, hidden]) are read here, so the caller may reuse them at once;
@@ -146,6 +157,8 @@ class MoEEngine {
     AlignedBuffer<float> gate, up, acc, down;
   };
 
+  MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+            std::shared_ptr<ExpertWeights> weights, const EngineOptions& options);
   void start(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out,
              float* out_f32);
   template <typename Barrier>
@@ -162,17 +175,14 @@ class MoEEngine {
   std::mutex api_mutex_;  // held by each public method: callers on several threads take turns
   const MoEShape shape_;
   const WeightFormat format_;
+  const EngineOptions options_;
   const bool quantized_activations_;  // quantizes_activations(format_)
   int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
-  const double inline_multiply_adds_;
-  const float swiglu_limit_, swiglu_alpha_;
-  std::vector<uint8_t> skip_;
-  bool loaded_ = false;
   bool pending_ = false;
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
   ThreadPool::Ticket job_ = 0;  // the pool's job of the call in flight
-  PackedProjection gate_, up_, down_;
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
+  std::shared_ptr<ExpertWeights> weights_;
 
   // State of the call in flight.
   bf16_t* out_ = nullptr;       // one of these two is set
@@ -224,6 +234,8 @@ class MoESubpools {
 
   int size() const { return int(engines_.size()); }
   MoEEngine& engine(int index);  // for loading its slice of the weights
+  // Subpools on the same weights and threads for a second call in flight (MoEEngine::twin).
+  std::unique_ptr<MoESubpools> twin() const;
   // As MoEEngine::submit / sync, for the whole layer.
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
   void sync();
@@ -233,6 +245,8 @@ class MoESubpools {
   void set_gpu_experts(const uint8_t* gpu_mask);
 
  private:
+  explicit MoESubpools(int hidden) : hidden_(hidden) {}  // for twin()
+
   std::mutex api_mutex_;  // as MoEEngine's
   // Declared first so it is destroyed last: an engine's destructor waits for a forward in flight.
   std::vector<AlignedBuffer<float>> partials_;  // per subpool [tokens, hidden], first touched by its threads

@@ -242,9 +242,10 @@ class KTMoEWrapper:
         deferred = 0
         if max_deferred_experts_per_token is not None:
             deferred = _require_int("max_deferred_experts_per_token", max_deferred_experts_per_token, 0)
-        if deferred > 0:
-            raise NotImplementedError(
-                "deferred experts are not supported yet: max_deferred_experts_per_token must be None or 0"
+        if deferred >= num_experts_per_tok:
+            raise ValueError(
+                f"max_deferred_experts_per_token ({deferred}) must be less than num_experts_per_tok "
+                f"({num_experts_per_tok})"
             )
         self.max_deferred_experts_per_token = deferred
         self.weight_format = self._check_method(method)
@@ -262,6 +263,11 @@ class KTMoEWrapper:
         self._layer, self._subpools = self._make_subpools(
             torch.nonzero(self._gpu_experts_mask).flatten().tolist()
         )
+        # Deferred experts run as a second call of this layer, on the same weights and threads; its
+        # output (guarded by _deferred_lock) goes into the next call's output (see submit_forward).
+        self._deferred_layer = self._layer.twin() if deferred else None
+        self._deferred_out: torch.Tensor | None = None  # the deferred call in flight, if any
+        self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
         # Per projection, the inputs one scale covers (MXFP4: 32, INT4: its group), set at load.
         self._scale_blocks: dict[str, int] = {}
         self._loaded = False
@@ -659,6 +665,12 @@ class KTMoEWrapper:
             self._require_idle("submit a forward")
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
             out = torch.empty_like(x)
+            deferred_ids = None
+            if self._deferred_layer is not None and x.shape[0] > 0:
+                ids, deferred_ids = self.select_deferred_experts(
+                    ids, weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
+                )
+            self._adds = self._take_pending_deferred(x.shape[0])
             if x.shape[0] > 0:
                 # _check_inputs made them contiguous with the engine's dtypes and shapes.
                 # The engines compare the mask with the one they hold (a memcmp) and update on change.
@@ -670,6 +682,14 @@ class KTMoEWrapper:
                     out.data_ptr(),
                     self._gpu_experts_mask.data_ptr(),
                 )
+            if deferred_ids is not None:  # queued behind the call above: it runs while the caller goes on
+                with KTMoEWrapper._deferred_lock:
+                    self._deferred_out = torch.empty_like(x)
+                    self._deferred_layer.submit_addresses(
+                        x.data_ptr(), x.shape[0], deferred_ids.data_ptr(), weights.data_ptr(),
+                        self._deferred_out.data_ptr(),
+                    )  # fmt: skip
+                    KTMoEWrapper._deferred_pending = self
             self._in_flight = out  # the engines write it until sync
 
     def sync_forward(
@@ -683,9 +703,74 @@ class KTMoEWrapper:
             try:
                 if out.shape[0] > 0:
                     self._layer.sync()  # with subpools: also sums their partial outputs into out
+                adds = self._adds
+                if isinstance(adds, KTMoEWrapper):
+                    adds = adds._collect_deferred()
+                if adds is not None:  # the deferred experts of the call before
+                    out = (out.float() + adds.float()).to(torch.bfloat16)
             finally:
-                self._in_flight = None
+                self._in_flight, self._adds = None, None
             return out
+
+    # ---- deferred experts (max_deferred_experts_per_token > 0) --------------------------------------
+    _deferred_lock: ClassVar[threading.Lock] = threading.Lock()
+    #: The wrapper whose last call's deferred experts the next call in the process adds.
+    _deferred_pending: ClassVar[KTMoEWrapper | None] = None
+
+    def select_deferred_experts(
+        self, expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Split routing into (immediate_ids, deferred_ids), as upstream: an expert among some token's
+        ``protected_k`` highest-scored ones runs now for every token routed to it; the others are
+        deferred. Entries not in a split are -1 there (as are -1 entries in both)."""
+        protected_k = max(0, min(int(protected_k), expert_ids.shape[-1]))
+        valid = expert_ids >= 0
+        protected = torch.zeros(self.num_experts + 1, dtype=torch.bool)  # the last slot soaks up -1 ids
+        if protected_k:
+            top = torch.topk(expert_scores.masked_fill(~valid, float("-inf")), protected_k, dim=-1).indices
+            chosen = torch.gather(expert_ids, -1, top)
+            protected[torch.where(chosen >= 0, chosen, self.num_experts).reshape(-1)] = True
+        now = protected[torch.where(valid, expert_ids, self.num_experts)] & valid
+        none = torch.full_like(expert_ids, -1)
+        return torch.where(now, expert_ids, none), torch.where(valid & ~now, expert_ids, none)
+
+    def _take_pending_deferred(self, tokens: int) -> torch.Tensor | KTMoEWrapper | None:
+        """What this call adds to its output: the deferred experts of the process's last call."""
+        with KTMoEWrapper._deferred_lock:
+            pending = KTMoEWrapper._deferred_pending
+            if pending is None:
+                return None
+            if pending.layer_idx > self.layer_idx:
+                raise RuntimeError(
+                    f"layer {pending.layer_idx}'s deferred experts are still pending and layer "
+                    f"{self.layer_idx} starts a new pass: add KTMoEWrapper.flush_deferred() to the last layer's output, or "
+                    "give the last layer max_deferred_experts_per_token=0"
+                )
+            if pending._deferred_out.shape[0] != tokens:
+                raise RuntimeError(
+                    f"layer {pending.layer_idx}'s deferred experts are for {pending._deferred_out.shape[0]} "
+                    f"tokens, this call has {tokens}: flush them first (KTMoEWrapper.flush_deferred())"
+                )
+            KTMoEWrapper._deferred_pending = None
+            # This layer's own deferred call is about to be replaced: collect it now.
+            return pending._collect_deferred_locked() if pending is self else pending
+
+    def _collect_deferred(self) -> torch.Tensor:
+        with KTMoEWrapper._deferred_lock:
+            return self._collect_deferred_locked()
+
+    def _collect_deferred_locked(self) -> torch.Tensor:
+        out, self._deferred_out = self._deferred_out, None
+        self._deferred_layer.sync()
+        return out
+
+    @classmethod
+    def flush_deferred(cls) -> torch.Tensor | None:
+        """Wait for the deferred experts no later call has taken yet and return their [T, H] bf16
+        output (None if there are none): after the last layer, add it to that layer's output."""
+        with cls._deferred_lock:
+            pending, cls._deferred_pending = cls._deferred_pending, None
+            return None if pending is None else pending._collect_deferred_locked()
 
     # ---- writing an expert back (SGLang uploads CPU experts to the GPU for long prefills) -------
     def submit_write_weight_scale_to_buffer(
@@ -722,9 +807,7 @@ class KTMoEWrapper:
             down_block = self._scale_blocks.get("down", 1)
             if inter % tp or (inter // tp) % down_block:
                 keep = f" into whole blocks of {down_block} inputs per down scale" if down_block > 1 else ""
-                raise ValueError(
-                    f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}"
-                )
+                raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
             expert = _require_int("expert_id", expert_id, 0)
             if expert >= self.num_experts:
                 raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert}")
@@ -790,12 +873,17 @@ class KTMoEWrapper:
             try:
                 if self._in_flight is not None and self._in_flight.shape[0] > 0:
                     self._layer.sync()
+                with KTMoEWrapper._deferred_lock:
+                    if KTMoEWrapper._deferred_pending is self:  # nobody will add them now
+                        KTMoEWrapper._deferred_pending = None
+                    if self._deferred_out is not None:
+                        self._collect_deferred_locked()
             except RuntimeError:
                 pass  # a forward lost to fork(): nothing of it runs any more
             finally:
-                self._in_flight = None
+                self._in_flight, self._adds = None, None
                 self._loaded = False
-                self._layer, self._subpools, self._pools = None, [], None
+                self._layer, self._subpools, self._pools, self._deferred_layer = None, [], None, None
 
     def __del__(self) -> None:
         if getattr(self, "_lock", None) is not None:  # __init__ got that far
@@ -844,6 +932,11 @@ class KTMoEWrapper:
             raise RuntimeError(f"cannot {action}: this wrapper is closed")
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
+        if action != "submit a forward" and self._deferred_out is not None:
+            raise RuntimeError(
+                f"cannot {action} while this layer's deferred experts are in flight: sync the next layer "
+                "or call KTMoEWrapper.flush_deferred() first"
+            )
 
     # ---- upstream class-level buffer management ------------------------------------------------
     @classmethod
@@ -865,6 +958,9 @@ class KTMoEWrapper:
             try:
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()
+                    with cls._deferred_lock:
+                        if wrapper._deferred_layer is not None and wrapper._deferred_out is None:
+                            wrapper._deferred_layer.release_scratch()
             finally:
                 wrapper._lock.release()
 
