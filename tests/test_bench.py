@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from kt_kernel.__main__ import main as kt_main
 from kt_kernel.loader import VARIANTS, missing_flags
 
 from conftest import HOST_FLAGS, REPO
@@ -30,3 +33,68 @@ def test_bench_all_variants_json(tmp_path):
         assert (row["pct_of_bandwidth"] is None) == (row["tokens"] > 8)
         assert (row["pct_of_peak"] is None) == (row["tokens"] <= 8)
     assert "median ms" in result.stdout and "tiny" in result.stdout
+
+
+TINY_STACK = ("--model", "tiny", "--layers", "3", "--tokens", "1", "--format", "int4", "--calls", "3")
+
+
+def run_bench(*options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kt_kernel", "bench", *options], cwd=REPO, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_model_mode_json(tmp_path):
+    """A tiny stack, with the options that imitate a model's surroundings on."""
+    out = tmp_path / "model.json"
+    result = run_bench(*TINY_STACK, "--weight-sets", "2", "--cache-clear-mib", "1", "--gap-ms", "0.1",
+                       "--co-runner", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["model"] == {"shape": "tiny", "layers": 3, "cache_clear_mib": 1, "gap_ms": 0.1,
+                             "co_runner": True, "deferred": None}  # fmt: skip
+    assert data["machine"]["dram_gbps"] > 0
+    [row] = data["model_rows"]
+    assert (row["shape"], row["format"], row["tokens"], row["layers"], row["weight_sets"]) == (
+        "tiny", "int4", 1, 3, 2,
+    )  # fmt: skip
+    assert row["steps"] == 3
+    for field in ("step_ms", "layer_ms", "single_ms", "ratio", "layer_gbps", "dram_gbps", "pct_of_dram"):
+        assert row[field] > 0, field
+    assert row["step_p10_ms"] <= row["step_p90_ms"]
+    assert 0 <= row["sync_ms"] <= row["layer_ms"]
+    assert row["threads"] >= 1
+    assert "1-layer ms" in result.stdout
+    assert "cache clearing 1 MiB read, gap 0.1 ms; co-runner on" in result.stdout
+
+
+def test_model_mode_deferral():
+    """Where the build cannot defer experts, one line says so (no traceback)."""
+    result = run_bench(*TINY_STACK, "--deferred", "1")
+    if result.returncode == 0:
+        assert "deferred experts 1" in result.stdout
+    else:
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert "--deferred 1: this build cannot defer experts" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--model", "tiny", "--layers", "0"], "argument --layers: must be >= 1"),
+        (["--model", "tiny", "--gap-ms", "-1"], "argument --gap-ms: must be >= 0"),
+        (["--model", "tiny", "--cache-clear-mib", "-5"], "argument --cache-clear-mib: must be >= 0"),
+        (["--model", "tiny", "--deferred", "x"], "argument --deferred: expected int"),
+        (["--model", "nope"], "argument --model: invalid choice"),
+        (["--model", "tiny", "--layers", "3", "--weight-sets", "4"], "--weight-sets 4 exceeds --layers 3"),
+        (["--model", "tiny", "--layers", "3", "--weight-sets", "1"], "--weight-sets 1: consecutive layers"),
+        (["--layers", "3"], "--layers needs --model"),
+        (["--model", "tiny", "--shape", "tiny"], "--model names the shape"),
+    ],
+)
+def test_model_mode_refuses_bad_options(options, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(kt_main(["bench", *options]))
+    assert exit_info.value.code == 2
+    assert f"error: {message}" in capsys.readouterr().err

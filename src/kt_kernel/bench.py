@@ -6,18 +6,24 @@ weights quantized on load, routing drawn afresh for every call (seed 0), and the
 PyTorch side by side: per-expert F.linear in bf16 for bf16 and mxfp4 (torch has no MXFP4 kernel),
 torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu on the same quantized weights for int8
 and int4.
+
+`--model SHAPE` times a stack of layers instead (run_model_worker): N layers of the shape called in turn
+as a model calls them, next to the single layer called back to back in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -30,6 +36,8 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {
 }
 DEFAULT_SHAPES = ("qwen3-30b", "dsv3-32e")
 TOKENS = (1, 8, 64, 512)
+MODEL_TOKENS = (1, 8, 512)
+MODEL_LAYERS = 48  # Qwen3-30B-A3B's MoE layers
 #: bytes per weight, scales included (int4: fp32 scale per 128, the group quantize-on-load picks for
 #: every shape here; int8: fp32 scale per row, negligible)
 WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32}
@@ -58,6 +66,32 @@ class Row:
     peak_op: str
     torch_median_ms: float | None
     speedup_vs_torch: float | None
+
+
+@dataclass
+class ModelRow:
+    variant: str
+    shape: str
+    format: str
+    tokens: int
+    layers: int
+    weight_sets: int
+    steps: int
+    step_ms: float  # median over steps of the time inside the N layers (submit to end of sync)
+    step_p10_ms: float
+    step_p90_ms: float
+    layer_ms: float  # step_ms / layers
+    single_ms: float  # one layer called back to back (median), same run
+    ratio: float  # layer_ms / single_ms
+    sync_ms: float  # per layer, median over steps: time the caller waits inside sync_forward
+    layer_gbps: float  # distinct expert weights touched per layer / layer_ms
+    dram_gbps: float | None  # DRAM read bandwidth measured just before a decode row
+    pct_of_dram: float | None
+    threads: int  # the process's threads once the N layers are built
+    cache_clear_mib: int
+    gap_ms: float
+    co_runner: bool
+    deferred: int | None
 
 
 def cpu_model() -> str:
@@ -178,10 +212,18 @@ def call_inputs(shape: str, tokens: int, count: int):
     return inputs
 
 
+def build_label(kernels: dict[str, str]) -> str:
+    """The build's name, "-plain" when an AVX512 build runs without its BF16 and VNNI paths."""
+    import kt_kernel
+
+    variant = kt_kernel.__cpu_variant__
+    fast = "vdpbf16ps" in kernels["bf16_path"] or "vpdpbusd" in kernels["int8_path"]
+    return variant + ("-plain" if variant != "avx2" and not fast else "")
+
+
 def run_worker(args: argparse.Namespace) -> dict:
     import torch
 
-    import kt_kernel
     from kt_kernel import KTMoEWrapper
     from kt_kernel._native import ext
 
@@ -196,8 +238,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     integer_op = "dpint8" if uses_dpint8 else "fma_f32"  # MXFP4, INT8, INT4: int8 activations
     peak_ops = {"bf16": "dpbf16" if uses_dpbf16 else "fma_f32", "mxfp4": integer_op, "int8": integer_op,
                 "int4": integer_op}  # fmt: skip
-    variant = kt_kernel.__cpu_variant__
-    label = variant + ("-plain" if variant != "avx2" and not (uses_dpbf16 or uses_dpint8) else "")
+    label = build_label(kernels)
     rows: list[Row] = []
     baselines = sorted({TORCH_FORMAT.get(f, f) for f in args.format}) if args.torch else []
     # The int8-activation mode exists for the formats that multiply in integers (all but bf16).
@@ -267,6 +308,215 @@ def run_worker(args: argparse.Namespace) -> dict:
             "rows": [asdict(r) for r in rows]}  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------
+# Model worker: a stack of layers, one build, in this process.
+# ---------------------------------------------------------------------------------------------
+def weight_set_bytes(shape: str, fmt: str) -> float:
+    experts, _, hidden, inter = SHAPES[shape]
+    return experts * 3 * hidden * inter * WEIGHT_BYTES[fmt]
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def default_weight_sets(shape: str, fmt: str, layers: int) -> int:
+    """As many weight sets as fit in a third of MemAvailable, at least 2 (consecutive layers must not
+    share weights), at most one per layer."""
+    fit = int(mem_available() / 3 // weight_set_bytes(shape, fmt))
+    return min(layers, max(2, fit))
+
+
+def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
+    """Random weights already in the format's canonical layout, as load_weights_from_tensors takes
+    them: quantizing on load takes tens of seconds per qwen3-30b layer in int4, and the timing does
+    not depend on the values (the scales keep outputs at a sane magnitude all the same)."""
+    import torch
+
+    from kt_kernel import quant
+
+    if fmt == "bf16":
+        gate, up, down = random_weights(shape, seed)
+        return {"gate_proj": gate, "up_proj": up, "down_proj": down}
+    experts, _, hidden, inter = SHAPES[shape]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+        if fmt == "int8":
+            values = torch.randint(-127, 128, (experts, rows, k), dtype=torch.int8, generator=gen)
+            scale = torch.full((experts, rows), (3 / k) ** 0.5 / 127)
+        elif fmt == "int4":  # two codes per byte, one fp32 scale per group (128 inputs for every shape here)
+            values = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
+            scale = torch.full((experts, rows, k // quant.int4_group_size(k)), (3 / k) ** 0.5 / 7)
+        else:  # mxfp4: E2M1 codes, E8M0 scale 2^-6 per block of 32
+            values = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
+            scale = torch.full(
+                (experts, rows, k // quant.MXFP4_BLOCK), quant.E8M0_BIAS - 6, dtype=torch.uint8
+            )
+        tensors[f"{name}_proj"], tensors[f"{name}_scale"] = values, scale
+    return tensors
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@contextlib.contextmanager
+def co_runner(enabled: bool) -> Iterator[None]:
+    """A separate process spinning on one core meanwhile, as another program on the machine would."""
+    if not enabled:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def between_layers(cache_clear_mib: int, gap_ms: float) -> Callable[[], None]:
+    """What runs before each layer call: a read of a separate buffer (attention and the dense layers
+    evict the caches) and an idle gap."""
+    import numpy as np
+
+    # Filled, not zeros: untouched zero pages all map to one physical page, whose read stays in cache.
+    buffer = np.ones(cache_clear_mib << 17, dtype=np.int64) if cache_clear_mib else None
+
+    def between() -> None:
+        if buffer is not None:
+            buffer.sum()
+        if gap_ms:
+            time.sleep(gap_ms / 1e3)
+
+    return between
+
+
+def model_step(layers: list, x, routings: list, between: Callable[[], None]) -> tuple[float, float]:
+    """One model step, each layer submitted then synced in turn: seconds inside the layers (submit to
+    end of sync) and inside sync_forward alone, summed over the layers. `between` is not counted."""
+    inside = waiting = 0.0
+    for moe, (ids, weights) in zip(layers, routings, strict=True):
+        between()
+        start = time.perf_counter()
+        moe.submit_forward(x, ids, weights)
+        submitted = time.perf_counter()
+        moe.sync_forward(x)
+        end = time.perf_counter()
+        inside += end - start
+        waiting += end - submitted
+    return inside, waiting
+
+
+def time_steps(
+    layers: list, shape: str, tokens: int, between: Callable[[], None], args: argparse.Namespace
+) -> tuple[list[float], list[float], list[int]]:
+    """Per timed step (after one warm-up step): seconds inside the layers and inside sync_forward;
+    and the distinct experts of every layer call. Up to args.calls steps; after 3, stops once the
+    steps used args.row_seconds. Fresh routing per layer per step, one hidden state per step."""
+    import torch
+
+    experts, top_k, hidden, _ = SHAPES[shape]
+    rng = torch.Generator().manual_seed(0)
+    inside: list[float] = []
+    waiting: list[float] = []
+    touched: list[int] = []
+    for i in range(1 + args.calls):
+        x = torch.randn(tokens, hidden, generator=rng).to(torch.bfloat16)
+        routings = [routing(tokens, experts, top_k, rng) for _ in layers]
+        step_s, sync_s = model_step(layers, x, routings, between)
+        if i == 0:
+            continue
+        inside.append(step_s)
+        waiting.append(sync_s)
+        touched += [int(ids.unique().numel()) for ids, _ in routings]
+        if len(inside) >= min(3, args.calls) and sum(inside) > args.row_seconds:
+            break
+    return inside, waiting, touched
+
+
+def run_model_worker(args: argparse.Namespace) -> dict:
+    """For each format: N wrappers (one per layer, so the process holds a model's threads), S of them
+    loaded with distinct weights; layer i runs on loaded wrapper i mod S, so consecutive layers never
+    share weights and, with S sets far beyond the L3, each layer reads its experts from DRAM."""
+    import torch
+
+    from kt_kernel import KTMoEWrapper
+    from kt_kernel._native import ext
+
+    torch.set_num_threads(args.threads)
+    kernels = dict(ext.kernel_info())
+    dram = ext.measure_read_bandwidth(args.threads, 1 << 29)
+    label = build_label(kernels)
+    shape = args.model
+    experts, top_k, hidden, inter = SHAPES[shape]
+    between = between_layers(args.cache_clear_mib, args.gap_ms)
+    rows: list[ModelRow] = []
+    steps_total, step = len(args.format) * len(args.tokens), 0
+    for fmt in args.format:
+        progress(step, steps_total, f"{label} {shape} {fmt}: building {args.layers} layers")
+        try:
+            wrappers = [
+                KTMoEWrapper(
+                    layer_idx=i, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
+                    moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
+                    threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
+                    max_deferred_experts_per_token=args.deferred,
+                )
+                for i in range(args.layers)
+            ]  # fmt: skip
+        except NotImplementedError as error:
+            if not args.deferred:
+                raise
+            progress(step, steps_total, "stopped\n")
+            return {"error": f"--deferred {args.deferred}: this build cannot defer experts ({error})"}
+        sets = args.weight_sets or default_weight_sets(shape, fmt, args.layers)
+        weights = canonical_weights(shape, fmt, seed=0)
+        for moe in wrappers[:sets]:  # the same values, each set in its own engine memory
+            moe.load_weights_from_tensors(**weights)
+        del weights
+        threads = thread_count()
+        layers = [wrappers[i % sets] for i in range(args.layers)]
+        for tokens in args.tokens:
+            progress(
+                step, steps_total, f"{label} {shape} {fmt} T={tokens} ({args.layers} layers, {sets} sets)"
+            )
+            step += 1
+            decode = tokens <= DECODE_MAX_TOKENS
+            with co_runner(args.co_runner):
+                # Bandwidth drifts on a shared machine: compare a decode row with a read just before it.
+                row_dram = ext.measure_read_bandwidth(args.threads, 1 << 28, 3) if decode else None
+                inside, waiting, touched = time_steps(layers, shape, tokens, between, args)
+                single = time_calls(
+                    wrappers[0].forward, call_inputs(shape, tokens, args.calls + 2), args.row_seconds,
+                    min(5, args.calls), args.calls, warmup=1,
+                )  # fmt: skip
+            median = statistics.median(inside)
+            deciles = statistics.quantiles(inside, n=10) if len(inside) > 1 else [median] * 9
+            layer_s = median / args.layers
+            layer_gbps = statistics.mean(touched) * 3 * hidden * inter * WEIGHT_BYTES[fmt] / layer_s / 1e9
+            rows.append(
+                ModelRow(
+                    variant=label, shape=shape, format=fmt, tokens=tokens, layers=args.layers,
+                    weight_sets=sets, steps=len(inside), step_ms=median * 1e3, step_p10_ms=deciles[0] * 1e3,
+                    step_p90_ms=deciles[-1] * 1e3, layer_ms=layer_s * 1e3,
+                    single_ms=statistics.median(single) * 1e3, ratio=layer_s / statistics.median(single),
+                    sync_ms=statistics.median(waiting) / args.layers * 1e3, layer_gbps=layer_gbps,
+                    dram_gbps=row_dram, pct_of_dram=100 * layer_gbps / row_dram if row_dram else None,
+                    threads=threads, cache_clear_mib=args.cache_clear_mib, gap_ms=args.gap_ms,
+                    co_runner=args.co_runner, deferred=args.deferred,
+                )
+            )  # fmt: skip
+        for moe in wrappers:
+            moe.close()  # frees this format's weights before the next one's
+        del wrappers, layers
+    progress(steps_total, steps_total, "done\n")
+    return {"variant": label, "dram_gbps": dram, "kernels": kernels, "model_rows": [asdict(r) for r in rows]}
+
+
 def progress(done: int, total: int, what: str) -> None:
     width = 24
     filled = width * done // max(total, 1)
@@ -320,20 +570,89 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_model_table(result: dict) -> str:
+    m, model = result["machine"], result["model"]
+    clear = f"{model['cache_clear_mib']} MiB read" if model["cache_clear_mib"] else "none"
+    lines = [
+        f"machine: {m['cpu']}, {m['threads']} threads",
+        *(f"  {w['variant']:<12} DRAM read {w['dram_gbps']:.1f} GB/s" for w in result["workers"]),
+        f"model: {model['layers']} layers of {model['shape']}; between layers: cache clearing {clear}, "
+        f"gap {model['gap_ms']:g} ms; co-runner {'on' if model['co_runner'] else 'off'}; "
+        f"deferred experts {model['deferred'] if model['deferred'] is not None else 'off'}",
+    ]
+    header = (
+        f"{'build':<12} {'format':<6} {'T':>4} {'sets':>4} {'step ms':>9} {'p10-p90 ms':>17} {'layer ms':>9} "
+        f"{'1-layer ms':>10} {'ratio':>6} {'sync ms':>8} {'GB/s':>6} {'DRAM':>5} {'%DRAM':>5} {'threads':>7}"
+    )
+    lines += ["", header, "-" * len(header)]
+
+    def opt(value, fmt):
+        return format(value, fmt) if value is not None else "-"
+
+    for r in result["model_rows"]:
+        lines.append(
+            f"{r['variant']:<12} {r['format']:<6} {r['tokens']:>4} {r['weight_sets']:>4} "
+            f"{r['step_ms']:>9.2f} {r['step_p10_ms']:>8.2f}-{r['step_p90_ms']:<8.2f} {r['layer_ms']:>9.3f} "
+            f"{r['single_ms']:>10.3f} {r['ratio']:>6.2f} {r['sync_ms']:>8.3f} {r['layer_gbps']:>6.1f} "
+            f"{opt(r['dram_gbps'], '5.1f'):>5} {opt(r['pct_of_dram'], '5.0f'):>5} {r['threads']:>7}"
+        )
+    lines.append(
+        "\nstep ms: median over steps of the time inside the layers (submit_forward to the end of "
+        "sync_forward, summed; clearing and gaps not counted); layer ms = step ms / layers.\n1-layer ms: one "
+        "layer called back to back in the same run; ratio = layer ms / 1-layer ms.\nsync ms: per layer, the "
+        "time the caller waits inside sync_forward.\nsets: distinct weight sets, cycled over the layers. "
+        "GB/s: distinct expert weights touched per layer / layer ms; %DRAM (T <= 8) against DRAM, the read "
+        "measured just before the row.\nthreads: the process's threads once the layers are built."
+    )
+    return "\n".join(lines)
+
+
+def positive_int(text: str) -> int:
+    return _bounded(int, text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _bounded(int, text, 0)
+
+
+def non_negative_float(text: str) -> float:
+    return _bounded(float, text, 0)
+
+
+def _bounded(kind: type, text: str, minimum: float):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+    if not math.isfinite(value) or value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kt_kernel.experts import IMPLEMENTED_FORMATS
 
     formats = [f.lower() for f in IMPLEMENTED_FORMATS]
-    parser.add_argument("--shape", nargs="+", choices=list(SHAPES), default=list(DEFAULT_SHAPES))
+    parser.add_argument(
+        "--shape", nargs="+", choices=list(SHAPES), help=f"default: {' '.join(DEFAULT_SHAPES)}"
+    )
     parser.add_argument("--format", nargs="+", choices=formats, default=formats)
-    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument(
+        "--tokens", nargs="+", type=int,
+        help=f"default: {' '.join(map(str, TOKENS))} ({' '.join(map(str, MODEL_TOKENS))} with --model)",
+    )  # fmt: skip
     parser.add_argument(
         "--variant",
         default="auto",
         help="auto (the build import picks), all, or a comma list: amx,avx512,avx2",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--calls", type=int, default=20, help="timed calls per row (fewer for slow rows)")
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=20,
+        help="timed calls per row (fewer for slow rows); --model: timed steps",
+    )
     parser.add_argument(
         "--row-seconds", type=float, default=5.0, help="after 5 calls, stop a row once it used this long"
     )
@@ -347,13 +666,86 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="write every figure and the machine info as JSON")
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    model = parser.add_argument_group(
+        "model mode", "a stack of layers of one shape, called in turn as a model does (README, Performance)"
+    )
+    model.add_argument("--model", choices=list(SHAPES), metavar="SHAPE", help="time a stack of this shape")
+    model.add_argument("--layers", type=positive_int, help=f"layers in the stack (default {MODEL_LAYERS})")
+    model.add_argument(
+        "--weight-sets", type=positive_int, metavar="S",
+        help="distinct weight sets cycled over the layers (default: as many as fit in a third of "
+        "MemAvailable, at least 2, at most --layers)",
+    )  # fmt: skip
+    model.add_argument(
+        "--cache-clear-mib", type=non_negative_int, default=0, metavar="M",
+        help="read M MiB of another buffer between layer calls, as attention and dense layers would",
+    )  # fmt: skip
+    model.add_argument(
+        "--gap-ms", type=non_negative_float, default=0.0, metavar="G", help="sleep G ms between layer calls"
+    )
+    model.add_argument(
+        "--co-runner", action="store_true", help="a separate process spins on one core during each row"
+    )
+    model.add_argument(
+        "--deferred", type=non_negative_int, metavar="D",
+        help="pass max_deferred_experts_per_token=D to every layer",
+    )  # fmt: skip
+
+
+def usage_error(message: str) -> int:
+    print(f"kt-kernel bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def check_model_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the model-mode options (None: nothing), defaults filled in."""
+    given = [
+        flag for flag, value in (("--layers", args.layers), ("--weight-sets", args.weight_sets),
+                                 ("--cache-clear-mib", args.cache_clear_mib), ("--gap-ms", args.gap_ms),
+                                 ("--co-runner", args.co_runner), ("--deferred", args.deferred))
+        if value
+    ]  # fmt: skip
+    if not args.model:
+        return f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --model" if given else None
+    if args.shape:
+        return "--model names the shape: drop --shape"
+    if args.quick:
+        return "--quick is for the single-layer bench: drop it with --model"
+    args.layers = args.layers or MODEL_LAYERS
+    if args.weight_sets and args.weight_sets > args.layers:
+        return f"--weight-sets {args.weight_sets} exceeds --layers {args.layers}"
+    if args.weight_sets == 1 and args.layers > 1:
+        return "--weight-sets 1: consecutive layers would share weights (read from cache): use 2 or more"
+    return None
+
+
+def worker_command(args: argparse.Namespace, out: str) -> list[str]:
+    command = [sys.executable, "-m", "kt_kernel", "bench", "--worker-json", out,
+               "--format", *args.format, "--tokens", *map(str, args.tokens), "--threads", str(args.threads),
+               "--calls", str(args.calls), "--row-seconds", str(args.row_seconds)]  # fmt: skip
+    if args.model:
+        command += ["--model", args.model, "--layers", str(args.layers),
+                    "--cache-clear-mib", str(args.cache_clear_mib), "--gap-ms", str(args.gap_ms)]  # fmt: skip
+        command += ["--weight-sets", str(args.weight_sets)] if args.weight_sets else []
+        command += ["--co-runner"] if args.co_runner else []
+        command += ["--deferred", str(args.deferred)] if args.deferred is not None else []
+    else:
+        command += ["--shape", *args.shape, "--activations", *args.activations]
+        command += [] if args.torch else ["--no-torch"]
+    return command
 
 
 def main(args: argparse.Namespace) -> int:
+    problem = check_model_arguments(args)
+    if problem:
+        return usage_error(problem)
     if args.quick:
         args.shape, args.tokens, args.calls = ["qwen3-30b"], [1, 64], 10
+    args.shape = args.shape or list(DEFAULT_SHAPES)
+    args.tokens = args.tokens or list(MODEL_TOKENS if args.model else TOKENS)
     if args.worker_json:
-        Path(args.worker_json).write_text(json.dumps(run_worker(args)))
+        result = run_model_worker(args) if args.model else run_worker(args)
+        Path(args.worker_json).write_text(json.dumps(result))
         return 0
     if args.variant == "all":
         variants = runnable_variants()
@@ -367,31 +759,39 @@ def main(args: argparse.Namespace) -> int:
             env = dict(os.environ)
             if variant:
                 env["KT_KERNEL_CPU_VARIANT"] = variant
-            command = [sys.executable, "-m", "kt_kernel", "bench", "--worker-json", out.name,
-                       "--shape", *args.shape, "--format", *args.format,
-                       "--tokens", *map(str, args.tokens), "--threads", str(args.threads),
-                       "--calls", str(args.calls), "--row-seconds", str(args.row_seconds),
-                       "--activations", *args.activations]  # fmt: skip
-            if not args.torch:
-                command.append("--no-torch")
-            subprocess.run(command, env=env, check=True)
-            workers.append(json.loads(Path(out.name).read_text()))
-            if variant == "avx512" and args.variant == "all":
-                env["KT_KERNEL_DISABLE_AVX512_BF16"] = "1"  # the plain AVX512F / BW paths too
-                env["KT_KERNEL_DISABLE_AVX512_VNNI"] = "1"
-                subprocess.run(command, env=env, check=True)
+            command = worker_command(args, out.name)
+            runs = [env]
+            if variant == "avx512" and args.variant == "all":  # the plain AVX512F / BW paths too
+                runs.append(
+                    env | {"KT_KERNEL_DISABLE_AVX512_BF16": "1", "KT_KERNEL_DISABLE_AVX512_VNNI": "1"}
+                )
+            for run_env in runs:
+                subprocess.run(command, env=run_env, check=True)
                 workers.append(json.loads(Path(out.name).read_text()))
-    result = {
-        "machine": {
-            "cpu": cpu_model(),
-            "threads": args.threads,
-            "dram_gbps": statistics.median(w["dram_gbps"] for w in workers),
-            "peak_gflops": {w["variant"]: w["peak_gflops"] for w in workers},
-        },
-        "workers": [{k: w[k] for k in ("variant", "dram_gbps", "peak_gflops", "kernels")} for w in workers],
-        "rows": [row for w in workers for row in w["rows"]],
-    }
-    print(format_table(result))
+                if "error" in workers[-1]:
+                    print(f"kt-kernel bench: {workers[-1]['error']}", file=sys.stderr)
+                    return 1
+    machine = {"cpu": cpu_model(), "threads": args.threads,
+               "dram_gbps": statistics.median(w["dram_gbps"] for w in workers)}  # fmt: skip
+    if args.model:
+        result = {
+            "machine": machine,
+            "workers": [{k: w[k] for k in ("variant", "dram_gbps", "kernels")} for w in workers],
+            "model": {"shape": args.model, "layers": args.layers, "cache_clear_mib": args.cache_clear_mib,
+                      "gap_ms": args.gap_ms, "co_runner": args.co_runner, "deferred": args.deferred},
+            "model_rows": [row for w in workers for row in w["model_rows"]],
+        }  # fmt: skip
+        print(format_model_table(result))
+    else:
+        machine["peak_gflops"] = {w["variant"]: w["peak_gflops"] for w in workers}
+        result = {
+            "machine": machine,
+            "workers": [
+                {k: w[k] for k in ("variant", "dram_gbps", "peak_gflops", "kernels")} for w in workers
+            ],
+            "rows": [row for w in workers for row in w["rows"]],
+        }
+        print(format_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
