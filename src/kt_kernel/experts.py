@@ -743,8 +743,8 @@ class KTMoEWrapper:
             if pending.layer_idx > self.layer_idx:
                 raise RuntimeError(
                     f"layer {pending.layer_idx}'s deferred experts are still pending and layer "
-                    f"{self.layer_idx} starts a new pass: add KTMoEWrapper.flush_deferred() to the last layer's output, or "
-                    "give the last layer max_deferred_experts_per_token=0"
+                    f"{self.layer_idx} starts a new pass: add KTMoEWrapper.flush_deferred() to the last "
+                    "layer's output, or give the last layer max_deferred_experts_per_token=0"
                 )
             if pending._deferred_out.shape[0] != tokens:
                 raise RuntimeError(
