@@ -204,14 +204,18 @@ def test_exit_is_quiet_and_clean(script):
     assert result.stderr == "", result.stderr  # no leak report, no warning
 
 
-@pytest.mark.parametrize("in_flight", [False, True], ids=["idle", "in-flight"])
-def test_fork_child_runs_forwards_or_raises(moe, expected, in_flight):
+@pytest.mark.parametrize("case", ["idle", "in-flight", "in-flight-after-another-layer"])
+def test_fork_child_runs_forwards_or_raises(moe, expected, case):
+    in_flight = case != "idle"
+    other = loaded_wrapper()  # another layer on the same worker threads
     if in_flight:
         moe.submit_forward(*inputs(1))
     pid = os.fork()
     if pid == 0:  # the child: report through the exit status, never return into pytest
         status = 1
         try:
+            if case == "in-flight-after-another-layer":  # the child's first job restarts the workers
+                other.forward(*inputs(0))
             if in_flight:  # done before the fork (then the result is right), or lost in the child
                 try:
                     status = 0 if torch.equal(moe.sync_forward(), expected[1]) else 3

@@ -98,8 +98,10 @@ ThreadPool::~ThreadPool() {
   stop(*workers_);
 }
 
-void ThreadPool::spawn() {
+void ThreadPool::spawn(uint64_t first_ticket) {
   workers_ = std::make_unique<Workers>();
+  workers_->submitted = first_ticket;
+  workers_->completed = first_ticket;
   spawned_in_fork_generation_ = current_fork_generation();
   Workers& w = *workers_;
   w.threads.reserve(threads_);
@@ -107,7 +109,7 @@ void ThreadPool::spawn() {
   try {
     for (int i = 0; i < threads_; ++i) {
       try {
-        w.threads.emplace_back([&w, i, count = threads_] { worker_main(w, i, count); });
+        w.threads.emplace_back([&w, i, count = threads_, first_ticket] { worker_main(w, i, count, first_ticket); });
       } catch (const std::system_error& error) {
         throw std::system_error(error.code(), "cannot start worker thread " + std::to_string(i + 1) + " of " +
                                                   std::to_string(threads_));
@@ -128,8 +130,11 @@ void ThreadPool::spawn() {
 bool ThreadPool::forked() const { return current_fork_generation() != spawned_in_fork_generation_; }
 
 void ThreadPool::respawn_after_fork() {
+  // Tickets go on from where the parent's left off, so a ticket of the parent is never a new job's.
+  const uint64_t completed = workers_->completed.load(), submitted = workers_->submitted.load();
   (void)workers_.release();  // see Workers: left as the fork copied it (or a failed spawn left it)
-  spawn();
+  spawn(submitted);
+  if (submitted > completed) lost_from_ = completed, lost_to_ = submitted;
 }
 
 void ThreadPool::stop(Workers& w) {
@@ -167,12 +172,9 @@ ThreadPool::Ticket ThreadPool::submit(std::function<void(int)> job) {
 }
 
 void ThreadPool::wait(Ticket ticket) {
-  if (forked()) {
-    const bool lost = workers_->completed.load() <= ticket;
-    respawn_after_fork();
-    if (lost) throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
-    return;
-  }
+  if (forked()) respawn_after_fork();
+  if (ticket >= lost_from_ && ticket < lost_to_)
+    throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
   // No spinning here: the waiting (Python) thread would take a core from the workers.
   Workers& w = *workers_;
   if (w.completed.load(std::memory_order_acquire) > ticket) return;
@@ -194,8 +196,8 @@ void ThreadPool::barrier() {
   }
 }
 
-void ThreadPool::worker_main(Workers& w, int index, int count) {
-  for (uint64_t next = 0;; ++next) {
+void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ticket) {
+  for (uint64_t next = first_ticket;; ++next) {
     // Job `next` may start once it was submitted and every worker has left the job before it.
     auto ready = [&] {
       return w.submitted.load(std::memory_order_acquire) > next && w.completed.load(std::memory_order_acquire) == next;

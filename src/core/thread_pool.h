@@ -62,17 +62,20 @@ class ThreadPool {
     std::atomic<uint32_t> barrier_round{0};
   };
 
-  void spawn();          // new Workers with threads_ running threads, pinned to cpus_
+  // New Workers with threads_ running threads, pinned to cpus_, numbering jobs from `first_ticket`.
+  void spawn(uint64_t first_ticket = 0);
   bool forked() const;   // the workers are not this process's (a fork() child, or a failed spawn)
   void respawn_after_fork();
   static void stop(Workers& workers);
-  static void worker_main(Workers& workers, int index, int count);
+  static void worker_main(Workers& workers, int index, int count, uint64_t first_ticket);
 
   static constexpr uint64_t kNoWorkers = ~uint64_t(0);  // a failed spawn: never a fork generation
 
   const int threads_;
   const std::vector<int> cpus_;
   uint64_t spawned_in_fork_generation_ = 0;
+  // Tickets [lost_from_, lost_to_): jobs queued or running when the process forked, lost here.
+  uint64_t lost_from_ = 0, lost_to_ = 0;
   std::unique_ptr<Workers> workers_;
 };
 
