@@ -1,4 +1,4 @@
-"""Import-time binding of the best compiled build (see DESIGN.md, "Loader rules")."""
+"""Import-time binding of the best compiled build: the rules are in kt_kernel.loader.select."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // The MoE expert engine: owns the packed expert weights and a thread pool, and computes
 //   out[t] = sum_k w[t,k] * down_e( silu(gate_e(x_t)) * up_e(x_t) ),  e = ids[t,k]
-// for the routed experts kept on the CPU. See DESIGN.md, "Data flow of one forward call".
+// for the routed experts kept on the CPU.
 #pragma once
 
 #include <exception>

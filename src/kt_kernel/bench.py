@@ -1,4 +1,4 @@
-"""`python -m kt_kernel bench`: the standard MoE workload (shared/bench/WORKLOAD.md) through KTMoEWrapper.
+"""`python -m kt_kernel bench`: the standard MoE workload (README, "Performance") through KTMoEWrapper.
 
 Each build runs in its own subprocess (KT_KERNEL_CPU_VARIANT forces it). A worker measures the machine
 (DRAM read bandwidth, peak multiply-add rates) with the same threads, then times every row: random
@@ -200,7 +200,7 @@ def random_weights(shape: str, seed: int = 0):
 
 
 def call_inputs(shape: str, tokens: int, count: int):
-    """`count` calls' (hidden states, routing), each with its own routing (WORKLOAD.md, seed 0)."""
+    """`count` calls' (hidden states, routing), each with its own routing (seed 0)."""
     import torch
 
     experts, top_k, hidden, _ = SHAPES[shape]
