@@ -494,6 +494,7 @@ def run_model_worker(args: argparse.Namespace) -> dict:
                     wrappers[0].forward, call_inputs(shape, tokens, args.calls + 2), args.row_seconds,
                     min(5, args.calls), args.calls, warmup=1,
                 )  # fmt: skip
+                KTMoEWrapper.flush_deferred()  # the last call's, before the next row's token count
             median = statistics.median(inside)
             deciles = statistics.quantiles(inside, n=10) if len(inside) > 1 else [median] * 9
             layer_s = median / args.layers
