@@ -535,6 +535,11 @@ def runnable_variants() -> list[str]:
     return [v for v in VARIANTS if not missing_flags(v, flags)]
 
 
+def opt(value: float | None, fmt: str) -> str:
+    """A table cell: the value formatted, or "-" where there is none."""
+    return format(value, fmt) if value is not None else "-"
+
+
 def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [f"machine: {m['cpu']}, {m['threads']} threads"]
@@ -547,9 +552,6 @@ def format_table(result: dict) -> str:
         f"{'speedup':>7}"
     )
     lines += ["", header, "-" * len(header)]
-
-    def opt(value, fmt):
-        return format(value, fmt) if value is not None else "-"
 
     for r in result["rows"]:
         lines.append(
@@ -586,9 +588,6 @@ def format_model_table(result: dict) -> str:
         f"{'1-layer ms':>10} {'ratio':>6} {'sync ms':>8} {'GB/s':>6} {'DRAM':>5} {'%DRAM':>5} {'threads':>7}"
     )
     lines += ["", header, "-" * len(header)]
-
-    def opt(value, fmt):
-        return format(value, fmt) if value is not None else "-"
 
     for r in result["model_rows"]:
         lines.append(
