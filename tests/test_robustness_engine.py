@@ -264,7 +264,7 @@ def test_ten_thousand_forwards_keep_rss_flat():
 
 
 def test_too_many_threads_and_too_large_sizes_are_value_errors():
-    with pytest.raises(ValueError, match="cpuinfer_threads=100000 is more than 4 x"):
+    with pytest.raises(ValueError, match="cpuinfer_threads=100000 is more than 4 x the"):
         moe_wrapper(8, 2, 64, 64, cpuinfer_threads=100_000)
     with pytest.raises(ValueError, match="hidden_size must be <="):
         moe_wrapper(8, 2, 2**31 - 1, 64)

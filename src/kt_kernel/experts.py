@@ -229,8 +229,7 @@ class KTMoEWrapper:
         if cpuinfer_threads > THREADS_PER_CPU_LIMIT * usable_cpus:
             raise ValueError(
                 f"cpuinfer_threads={cpuinfer_threads} is more than {THREADS_PER_CPU_LIMIT} x the "
-                f"{usable_cpus} "
-                "CPUs this process may run on; extra threads would only take turns on the same CPUs"
+                f"{usable_cpus} CPUs this process may run on; extra threads would only take turns on them"
             )
         self.threadpool_count = _require_int("threadpool_count", threadpool_count, 1)
         if threadpool_count > cpuinfer_threads:
