@@ -485,7 +485,8 @@ std::vector<std::vector<int>> MoEEngine::worker_cpus() {
 
 // One worker's part of the call: gate/up tasks, then down tasks, phases separated by barrier() (a
 // no-op when one thread does everything). Kernels that read int8 activations get each token and each
-// intermediate row quantized once, whole (one scale per row), before the projections read it.
+// intermediate row quantized once, whole, before the projections read it: as a row and its residual
+// row by default (QuantizedBuffer), so the GEMMs see parts_ rows per activation row.
 template <typename Barrier>
 void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
   if (quantized_activations_)
