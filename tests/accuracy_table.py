@@ -1,4 +1,4 @@
-"""Prints the README's accuracy table for the build this process runs (KT_KERNEL_CPU_VARIANT and
+"""Prints the accuracy table of docs/formats.md for the build this process runs (KT_KERNEL_CPU_VARIANT and
 KT_KERNEL_DISABLE_AVX512_* choose it): relative error against the fp64 reference on the stored
 weights, qwen3-30b expert shape, 16 tokens, Gaussian activations and 4 channels x20 / x100.
 

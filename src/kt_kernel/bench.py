@@ -1,4 +1,4 @@
-"""`python -m kt_kernel bench`: the standard MoE workload (README, "Performance") through KTMoEWrapper.
+"""`python -m kt_kernel bench`: the standard MoE workload (docs/performance.md) through KTMoEWrapper.
 
 Each build runs in its own subprocess (KT_KERNEL_CPU_VARIANT forces it). A worker measures the machine
 (DRAM read bandwidth, peak multiply-add rates) with the same threads, then times every row: random
@@ -667,7 +667,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write every figure and the machine info as JSON")
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     model = parser.add_argument_group(
-        "model mode", "a stack of layers of one shape, called in turn as a model does (README, Performance)"
+        "model mode", "a stack of layers of one shape, called in turn as a model does (docs/performance.md)"
     )
     model.add_argument("--model", choices=list(SHAPES), metavar="SHAPE", help="time a stack of this shape")
     model.add_argument("--layers", type=positive_int, help=f"layers in the stack (default {MODEL_LAYERS})")
