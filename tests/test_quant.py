@@ -102,3 +102,17 @@ def test_int4_round_trip_and_layout(group):
     q = torch.stack([low - 16 * (low > 7), high - 16 * (high > 7)], dim=-1).reshape(8, 256)
     assert torch.equal(q.float() * step, back)
     assert q.abs().max() == 7
+
+
+@pytest.mark.parametrize(
+    "method,fmt",
+    [
+        ("AMXINT4", "INT4"),
+        ("MOE_INT4", "INT4"),
+        ("amxint8", "INT8"),
+        ("MOE_INT8", "INT8"),
+        ("mxfp4", "MXFP4"),
+    ],
+)
+def test_upstream_method_names(method, fmt):
+    assert quant.weight_format(method) == fmt

@@ -29,8 +29,10 @@ METHOD_FORMATS: dict[str, str] = {
     "BF16": "BF16",
     "INT8": "INT8",
     "AMXINT8": "INT8",
+    "MOE_INT8": "INT8",
     "INT4": "INT4",
     "AMXINT4": "INT4",
+    "MOE_INT4": "INT4",
     "MXFP4": "MXFP4",
 }
 
