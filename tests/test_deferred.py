@@ -104,3 +104,15 @@ def test_bad_deferral_counts():
         moe_wrapper(E, K, H, I, max_deferred_experts_per_token=K)
     with pytest.raises(ValueError, match="max_deferred_experts_per_token must be >= 0"):
         moe_wrapper(E, K, H, I, max_deferred_experts_per_token=-1)
+
+
+def test_a_refused_call_leaves_the_deferred_experts_for_the_next_one():
+    plain_layers, problems = stack([0] * LAYERS)
+    reference = run_pass(plain_layers, problems)
+    layers, _ = stack([2, 2, 2, 0])
+    outputs = run_pass(layers[:3], problems[:3])
+    last, p = layers[3], problems[3]
+    with pytest.raises(ValueError, match="topk_ids"):
+        last.submit_forward(p.hidden, torch.full_like(p.ids, E), p.weights)  # ids out of range
+    outputs += run_pass(layers[3:], problems[3:])
+    assert_same_total(outputs, reference)

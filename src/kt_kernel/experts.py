@@ -661,7 +661,7 @@ class KTMoEWrapper:
                     if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
-            self._require_idle("submit a forward")
+            self._require_idle("submit a forward", deferred_too=False)
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
             out = torch.empty_like(x)
             deferred_ids = None
@@ -669,7 +669,6 @@ class KTMoEWrapper:
                 ids, deferred_ids = self.select_deferred_experts(
                     ids, weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
                 )
-            self._adds = self._take_pending_deferred(x.shape[0])
             if x.shape[0] > 0:
                 # _check_inputs made them contiguous with the engine's dtypes and shapes.
                 # The engines compare the mask with the one they hold (a memcmp) and update on change.
@@ -681,6 +680,13 @@ class KTMoEWrapper:
                     out.data_ptr(),
                     self._gpu_experts_mask.data_ptr(),
                 )
+            # Taken once this call is on its way, so a refused call leaves them for the next one.
+            try:
+                self._adds = self._take_pending_deferred(x.shape[0])
+            except RuntimeError:
+                if x.shape[0] > 0:
+                    self._layer.sync()
+                raise
             if deferred_ids is not None:  # queued behind the call above: it runs while the caller goes on
                 with KTMoEWrapper._deferred_lock:
                     self._deferred_out = torch.empty_like(x)
@@ -926,12 +932,14 @@ class KTMoEWrapper:
             weights = weights.to(torch.float32)
         return x.contiguous(), ids.contiguous(), weights.contiguous()
 
-    def _require_idle(self, action: str) -> None:
+    def _require_idle(self, action: str, deferred_too: bool = True) -> None:
+        """Refuse `action` on a closed wrapper, with a forward in flight, or (deferred_too) while
+        this layer's deferred experts still run on its weights."""
         if self._layer is None:
             raise RuntimeError(f"cannot {action}: this wrapper is closed")
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
-        if action != "submit a forward" and self._deferred_out is not None:
+        if deferred_too and self._deferred_out is not None:
             raise RuntimeError(
                 f"cannot {action} while this layer's deferred experts are in flight: sync the next layer "
                 "or call KTMoEWrapper.flush_deferred() first"
@@ -973,6 +981,7 @@ class KTMoEWrapper:
         # Another thread of the parent may have held a lock at the fork; it does not exist here.
         global _pools_lock
         _pools_lock = threading.Lock()
+        cls._deferred_lock = threading.Lock()
         for wrapper in list(cls._instances):
             wrapper._lock = threading.Lock()
             wrapper._forward_lock = threading.Lock()
