@@ -3,15 +3,16 @@
 // B operand: 16 input pairs x 16 output rows x 2 = one 16 x 64-byte tile per 32 inputs of a group.
 #include <algorithm>
 
-#include "../kernels_avx512/paths.h"
+#include "kernels_avx512/vec.h"
 #include "tiles.h"
 
 KT_NAMESPACE_BEGIN
+namespace amx {
 namespace {
 
-constexpr int kTokenBlock = amx::kBlockRows;  // two A tiles
-constexpr int kGroupBlock = amx::kBlockGroups;  // two B tiles: C tiles 0-3 cover 32 tokens x 32 outputs
-constexpr int kInputsPerTile = 2 * amx::kTileRows;
+constexpr int kTokenBlock = kBlockRows;  // two A tiles
+constexpr int kGroupBlock = kBlockGroups;  // two B tiles: C tiles 0-3 cover 32 tokens x 32 outputs
+constexpr int kInputsPerTile = 2 * kTileRows;
 
 // y[0:32][0:32] for 32 contiguous activation rows (row stride x_bytes) and groups g, g+1.
 void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const uint8_t* group1, int k, float* y,
@@ -23,9 +24,9 @@ void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const u
   KT_TILE_ZERO(3);
   for (int k0 = 0; k0 < k; k0 += kInputsPerTile) {
     KT_TILE_LOAD(4, x + k0 * sizeof(bf16_t), x_bytes);
-    KT_TILE_LOAD(5, x + amx::kTileRows * x_bytes + k0 * sizeof(bf16_t), x_bytes);
-    KT_TILE_LOAD(6, group0 + size_t(k0 / 2) * amx::kTileBytes, amx::kTileBytes);
-    KT_TILE_LOAD(7, group1 + size_t(k0 / 2) * amx::kTileBytes, amx::kTileBytes);
+    KT_TILE_LOAD(5, x + kTileRows * x_bytes + k0 * sizeof(bf16_t), x_bytes);
+    KT_TILE_LOAD(6, group0 + size_t(k0 / 2) * kTileBytes, kTileBytes);
+    KT_TILE_LOAD(7, group1 + size_t(k0 / 2) * kTileBytes, kTileBytes);
     KT_TILE_DOT_BF16(0, 4, 6);
     KT_TILE_DOT_BF16(1, 4, 7);
     KT_TILE_DOT_BF16(2, 5, 6);
@@ -34,28 +35,23 @@ void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const u
   const size_t y_bytes = y_stride * sizeof(float);
   KT_TILE_STORE(0, y, y_bytes);
   KT_TILE_STORE(1, y + kGroupRows, y_bytes);
-  KT_TILE_STORE(2, y + amx::kTileRows * y_stride, y_bytes);
-  KT_TILE_STORE(3, y + amx::kTileRows * y_stride + kGroupRows, y_bytes);
+  KT_TILE_STORE(2, y + kTileRows * y_stride, y_bytes);
+  KT_TILE_STORE(3, y + kTileRows * y_stride + kGroupRows, y_bytes);
 }
 
 }  // namespace
 
-#ifdef KT_AMX_EMULATED
-long amx::emulated_tile_products() { return amx::EmulatedTiles::products; }
-#endif
-
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { gemm_bf16_avx512(xs, ws, ys, y_stride); };
+  auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().bf16(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
-  amx::tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
+  tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
     // Tiles load rows with one stride: gather routed rows into a contiguous block first.
-    thread_local AlignedBuffer<bf16_t> gathered;
     const bf16_t* rows = x.base;
     size_t row_elems = x.stride;
     if (x.row_ids != nullptr) {
-      gathered.reserve(size_t(tile_rows) * w.k);
-      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered.data() + size_t(i) * w.k, x.row(i), w.k * sizeof(bf16_t));
-      rows = gathered.data();
+      bf16_t* gathered = reinterpret_cast<bf16_t*>(x.scratch);
+      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered + size_t(i) * w.k, x.row(i), w.k * sizeof(bf16_t));
+      rows = gathered;
       row_elems = w.k;
     }
     for (int g = 0; g < tile_groups; g += kGroupBlock)
@@ -66,4 +62,5 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
   }, avx512);
 }
 
+}  // namespace amx
 KT_NAMESPACE_END

@@ -5,10 +5,11 @@
 // offset and scaled after the tiles are stored.
 #include <algorithm>
 
-#include "../kernels_avx512/paths.h"
+#include "kernels_avx512/vec.h"
 #include "tiles.h"
 
 KT_NAMESPACE_BEGIN
+namespace amx {
 namespace {
 
 constexpr int kInputsPerTile = 64;
@@ -22,9 +23,9 @@ void tile_block(const int8_t* x, size_t x_bytes, const uint8_t* group0, const ui
   KT_TILE_ZERO(3);
   for (int k0 = 0; k0 < k; k0 += kInputsPerTile) {
     KT_TILE_LOAD(4, x + k0, x_bytes);
-    KT_TILE_LOAD(5, x + amx::kTileRows * x_bytes + k0, x_bytes);
-    KT_TILE_LOAD(6, group0 + size_t(k0 / 4) * amx::kTileBytes, amx::kTileBytes);
-    KT_TILE_LOAD(7, group1 + size_t(k0 / 4) * amx::kTileBytes, amx::kTileBytes);
+    KT_TILE_LOAD(5, x + kTileRows * x_bytes + k0, x_bytes);
+    KT_TILE_LOAD(6, group0 + size_t(k0 / 4) * kTileBytes, kTileBytes);
+    KT_TILE_LOAD(7, group1 + size_t(k0 / 4) * kTileBytes, kTileBytes);
     KT_TILE_DOT_S8U8(0, 4, 6);
     KT_TILE_DOT_S8U8(1, 4, 7);
     KT_TILE_DOT_S8U8(2, 5, 6);
@@ -33,38 +34,37 @@ void tile_block(const int8_t* x, size_t x_bytes, const uint8_t* group0, const ui
   constexpr size_t sums_bytes = 2 * kGroupRows * sizeof(int32_t);
   KT_TILE_STORE(0, sums, sums_bytes);
   KT_TILE_STORE(1, sums + kGroupRows, sums_bytes);
-  KT_TILE_STORE(2, sums + amx::kTileRows * 2 * kGroupRows, sums_bytes);
-  KT_TILE_STORE(3, sums + amx::kTileRows * 2 * kGroupRows + kGroupRows, sums_bytes);
+  KT_TILE_STORE(2, sums + kTileRows * 2 * kGroupRows, sums_bytes);
+  KT_TILE_STORE(3, sums + kTileRows * 2 * kGroupRows + kGroupRows, sums_bytes);
 }
 
 }  // namespace
 
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { gemm_int8_avx512(xs, ws, ys, y_stride); };
+  auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().int8(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
-  amx::tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
+  tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
     // Tiles load rows with one stride: gather routed rows into a contiguous block first.
-    thread_local AlignedBuffer<int8_t> gathered;
     const int8_t* rows = x.quantized.values;
     size_t row_bytes = x.quantized.stride;
     if (x.row_ids != nullptr) {
-      gathered.reserve(size_t(tile_rows) * w.k);
-      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered.data() + size_t(i) * w.k, x.quantized_row(i).values, w.k);
-      rows = gathered.data();
+      int8_t* gathered = reinterpret_cast<int8_t*>(x.scratch);
+      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered + size_t(i) * w.k, x.quantized_row(i).values, w.k);
+      rows = gathered;
       row_bytes = w.k;
     }
-    alignas(64) int32_t sums[amx::kBlockRows][amx::kBlockGroups * kGroupRows];
-    for (int g = 0; g < tile_groups; g += amx::kBlockGroups) {
+    alignas(64) int32_t sums[kBlockRows][kBlockGroups * kGroupRows];
+    for (int g = 0; g < tile_groups; g += kBlockGroups) {
       const float* row_scales = reinterpret_cast<const float*>(w.scales + g * w.group_scale_bytes);
-      for (int i = 0; i < tile_rows; i += amx::kBlockRows) {
+      for (int i = 0; i < tile_rows; i += kBlockRows) {
         tile_block(rows + size_t(i) * row_bytes, row_bytes, w.values + g * w.group_bytes,
                    w.values + (g + 1) * w.group_bytes, w.k, &sums[0][0]);
-        for (int r = 0; r < amx::kBlockRows; ++r) {
+        for (int r = 0; r < kBlockRows; ++r) {
           const QuantizedRow row = x.quantized_row(i + r);
           const int32_t offset = kInt8Offset * quantized_sum(row, 0, w.k);
           float* out = y + size_t(i + r) * y_stride + g * kGroupRows;
           // The two groups' scales are consecutive (group_scale_bytes = 16 floats).
-          for (int c = 0; c < amx::kBlockGroups * kGroupRows; ++c)
+          for (int c = 0; c < kBlockGroups * kGroupRows; ++c)
             out[c] = float(sums[r][c] - offset) * row_scales[c] * row.scale;
         }
       }
@@ -72,4 +72,5 @@ void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_s
   }, avx512);
 }
 
+}  // namespace amx
 KT_NAMESPACE_END

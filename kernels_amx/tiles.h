@@ -13,6 +13,10 @@
 KT_NAMESPACE_BEGIN
 namespace amx {
 
+// The amx build's tile GEMMs (gemm_bf16.cpp, gemm_int8.cpp); entry.cpp puts them in the kernel table.
+void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+
 constexpr int kTileRows = 16;   // rows of every tile used here
 constexpr int kTileBytes = 64;  // bytes per row: 16 fp32, or 32 bf16 (16 pairs)
 
@@ -87,8 +91,6 @@ inline void release_tiles() {}
 #define KT_TILE_DOT_BF16(c, a, b) amx::EmulatedTiles::dot_bf16(c, a, b)
 #define KT_TILE_DOT_S8U8(c, a, b) amx::EmulatedTiles::dot_s8u8(c, a, b)
 
-// Tile products run so far, on all threads.
-long emulated_tile_products();
 #endif
 
 // The tile kernels cover blocks of kBlockRows activation rows x kBlockGroups groups; `tiles(rows,

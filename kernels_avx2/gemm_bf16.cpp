@@ -1,13 +1,11 @@
 // AVX2 BF16 GEMM: fp32 FMA on weights widened from bf16 by a shift / mask. Compiled with
 // -mavx2 -mfma -mf16c only: no AVX512 instruction may appear in this build.
 #include "bf16.h"
-#include "bf16_pairs.h"
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx2 {
 namespace {
-
-using avx2::even_bf16;
-using avx2::odd_bf16;
 
 // Each accumulator takes two dependent FMAs per input pair, so 8 of them (FMA latency 4 x 2 ports)
 // leave the FMA ports no slack; 5 rows x 1 group = 10 accumulators do (measured on one core: 4x1
@@ -71,28 +69,20 @@ struct FmaTile {
   }
 };
 
-// The rows of x in fp32, in a thread-local buffer that only grows: widening each activation once
-// per call instead of once per weight group frees the FMA ports' shift / mask work.
+// The rows of x in fp32, in x.scratch: widening each activation once per call instead of once per
+// weight group frees the FMA ports' shift / mask work.
 const float* widen_rows(const Activations& x, int k) {
-  thread_local AlignedBuffer<float> widened;
+  float* widened = reinterpret_cast<float*>(x.scratch);
   const int row_elems = round_up(k, 2);
-  widened.reserve(size_t(x.rows) * row_elems);
   for (int i = 0; i < x.rows; ++i) {
     const bf16_t* src = x.row(i);
-    float* dst = widened.data() + size_t(i) * row_elems;
+    float* dst = widened + size_t(i) * row_elems;
     for (int c = 0; c < row_elems; ++c) dst[c] = bf16_to_float(src[c]);
   }
-  return widened.data();
+  return widened;
 }
 
 }  // namespace
-
-void init_kernels() {}
-
-KernelInfo kernel_info() {
-  return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1 -> integers by vpshufb, int8 activations, vpmaddubsw)",
-          "avx2 (vpmaddwd / vpmaddubsw)"};
-}
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   const float* widened = widen_rows(x, w.k);
@@ -104,4 +94,5 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
     gemm_tiled<FmaTile, kRows, kGroups, const float*>(row, x.rows, w, y, y_stride);
 }
 
+}  // namespace avx2
 KT_NAMESPACE_END

@@ -1,29 +1,27 @@
-// AVX2 INT8 / INT4 GEMMs: the integer tiles (src/core/int_tiles.h) on ymm vectors, with the u8 x s8
-// dot product emulated by vpmaddwd (INT8) or vpmaddubsw (INT4); see int_dots.h.
-#include "int_dots.h"
+// AVX2 INT8 / INT4 / MXFP4 GEMMs (the universal fallback): the integer tiles
+// (kernels_common/int_tiles.h) on ymm vectors, with the u8 x s8 dot product emulated by vpmaddwd
+// (INT8) or vpmaddubsw (INT4, and MXFP4 with its E2M1 codes looked up as integers by vpshufb).
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx2 {
 namespace {
 
-using avx2::MaddubsDot;
-using avx2::MaddwdDot;
-using avx2::Vec;
+// One group (two ymm) per tile: 16 registers do not hold more. MXFP4: 2 rows x 2 halves of integer
+// and float accumulators.
+constexpr int kInt8Rows = 4, kInt4Rows = 2, kMxfp4Rows = 2;
 
-// One group (two ymm) per tile: 16 registers do not hold more.
-constexpr int kInt8Rows = 4, kInt4Rows = 2;
-
-// The rows of x as MaddwdDot reads them, in a thread-local buffer that only grows.
+// The rows of x as MaddwdDot reads them, in x.scratch.
 const int16_t* widen_pairs(const Activations& x, int k) {
-  thread_local AlignedBuffer<int16_t> widened;
+  int16_t* widened = reinterpret_cast<int16_t*>(x.scratch);
   const int row_elems = round_up(k, 4);
-  widened.reserve(size_t(x.rows) * row_elems);
   for (int i = 0; i < x.rows; ++i) {
     const int8_t* src = x.quantized_row(i).values;
-    int16_t* dst = widened.data() + size_t(i) * row_elems;
+    int16_t* dst = widened + size_t(i) * row_elems;
     for (int c = 0; c < row_elems; c += 4)
       dst[c] = src[c], dst[c + 1] = src[c + 2], dst[c + 2] = src[c + 1], dst[c + 3] = src[c + 3];
   }
-  return widened.data();
+  return widened;
 }
 
 }  // namespace
@@ -43,4 +41,9 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
   gemm_tiled_quantized<IntTiles<Vec, MaddubsDot>::FourBitTile, kInt4Rows, 1>(x, w, y, y_stride);
 }
 
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot, Mxfp4Format<Vec>>::FourBitTile, kMxfp4Rows, 1>(x, w, y, y_stride);
+}
+
+}  // namespace avx2
 KT_NAMESPACE_END

@@ -1,27 +1,13 @@
-// AVX512 BF16 GEMM: the vdpbf16ps path where the CPU has AVX512_BF16 (vdpbf16ps.cpp), else plain
-// AVX512F fp32 FMA here. Also the start-up choice between the two.
-#include <cstdlib>
-#include <cstring>
-
-#include "cpu_features.h"
-#include "paths.h"
+// AVX512 BF16 GEMM without AVX512_BF16: bf16 widened to fp32, plain AVX512F FMA (the vdpbf16ps
+// path is vdpbf16ps.cpp).
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx512 {
 namespace {
-
-using avx512::even_bf16;
-using avx512::odd_bf16;
 
 // Register blocking: rows x 16-column groups held in zmm accumulators (of 32 registers).
 constexpr int kFmaRows = 4, kFmaGroups = 4;  // 16 accumulators + 8 decoded weight vectors
-
-// Constant-initialised (no code runs at load time); set once by init_kernels().
-bool vdpbf16ps_enabled = false, vpdpbusd_enabled = false;
-
-bool env_flag(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
-}
 
 template <int M, int NV>
 struct FmaTile {
@@ -56,29 +42,9 @@ struct FmaTile {
 
 }  // namespace
 
-// KT_KERNEL_DISABLE_AVX512_BF16=1 / KT_KERNEL_DISABLE_AVX512_VNNI=1 force the plain paths (the
-// tests cover both on one machine).
-void init_kernels() {
-  const CpuFeatures cpu = detect_cpu_features();
-  vdpbf16ps_enabled = cpu.avx512_bf16 && !env_flag("KT_KERNEL_DISABLE_AVX512_BF16");
-  vpdpbusd_enabled = cpu.avx512_vnni && !env_flag("KT_KERNEL_DISABLE_AVX512_VNNI");
+void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled<FmaTile, kFmaRows, kFmaGroups>(x, w, y, y_stride);
 }
 
-bool use_vdpbf16ps() { return vdpbf16ps_enabled; }
-bool use_vpdpbusd() { return vpdpbusd_enabled; }
-
-KernelInfo kernel_info() {
-  return {"avx512", vdpbf16ps_enabled ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)",
-          vpdpbusd_enabled ? "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)"
-                           : "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)",
-          vpdpbusd_enabled ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)"};
-}
-
-void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (vdpbf16ps_enabled)
-    gemm_bf16_vdpbf16ps(x, w, y, y_stride);
-  else
-    gemm_tiled<FmaTile, kFmaRows, kFmaGroups>(x, w, y, y_stride);
-}
-
+}  // namespace avx512
 KT_NAMESPACE_END

@@ -1,9 +1,11 @@
-// AVX512 INT8 / INT4 GEMMs: vpdpbusd where the CPU has AVX512_VNNI (vpdpbusd.cpp), else the plain
-// AVX512BW emulations here (MXFP4's too). The tiles themselves are src/core/int_tiles.h.
+// AVX512 INT8 / INT4 / MXFP4 GEMMs without AVX512_VNNI: the u8 x s8 dot product emulated by
+// AVX512BW instructions (the vpdpbusd paths are vpdpbusd.cpp). The tiles are kernels_common/int_tiles.h;
+// MXFP4 looks its E2M1 codes up as integers by vpshufb.
 #include "int_tiles.h"
-#include "paths.h"
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx512 {
 namespace {
 
 constexpr int kRows = 4, kGroups = 2;
@@ -42,23 +44,17 @@ struct MaddubsDot {
 
 }  // namespace
 
-void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (use_vpdpbusd())
-    gemm_int8_vpdpbusd(x, w, y, y_stride);
-  else
-    gemm_tiled_quantized<IntTiles<avx512::Vec, MaddwdDot>::Int8, kRows, kGroups>(x, w, y, y_stride);
+void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled_quantized<IntTiles<Vec, MaddwdDot>::Int8, kRows, kGroups>(x, w, y, y_stride);
 }
 
 void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<IntTiles<avx512::Vec, MaddubsDot, Mxfp4Format<avx512::Vec>>::FourBitTile, kRows, kGroups>(
-      x, w, y, y_stride);
+  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot, Mxfp4Format<Vec>>::FourBitTile, kRows, kGroups>(x, w, y, y_stride);
 }
 
-void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (use_vpdpbusd())
-    gemm_int4_vpdpbusd(x, w, y, y_stride);
-  else
-    gemm_tiled_quantized<IntTiles<avx512::Vec, MaddubsDot>::FourBitTile, kRows, kGroups>(x, w, y, y_stride);
+void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot>::FourBitTile, kRows, kGroups>(x, w, y, y_stride);
 }
 
+}  // namespace avx512
 KT_NAMESPACE_END

@@ -1,6 +1,6 @@
 // Peak multiply-add rate probes: enough independent accumulators to hide FMA latency.
 #include "cpu_features.h"
-#include "paths.h"
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -27,9 +27,9 @@ double peak_probe(PeakOp op, int64_t iterations) {
     case PeakOp::kFmaF32:
       return fma_probe(iterations);
     case PeakOp::kDpBf16:
-      return detect_cpu_features().avx512_bf16 ? dpbf16_peak_probe(iterations) : 0.0;
+      return detect_cpu_features().avx512_bf16 ? avx512::dpbf16_peak_probe(iterations) : 0.0;
     case PeakOp::kDpInt8:
-      return detect_cpu_features().avx512_vnni ? dpbusd_peak_probe(iterations) : 0.0;
+      return detect_cpu_features().avx512_vnni ? avx512::dpbusd_peak_probe(iterations) : 0.0;
   }
   return 0.0;
 }

@@ -1,8 +1,9 @@
 // Everything that executes AVX512_BF16 instructions: this file alone is compiled with -mavx512bf16
-// (CMakeLists.txt), and its functions run only after CPUID reported AVX512_BF16 (use_vdpbf16ps()).
-#include "paths.h"
+// (CMakeLists.txt), and its functions run only after CPUID reported AVX512_BF16 (paths.cpp).
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx512 {
 namespace {
 
 // BF16: rows x 16-column groups of accumulators, weight lines used straight as vdpbf16ps operands.
@@ -53,4 +54,5 @@ double dpbf16_peak_probe(int64_t iterations) {
   return double(iterations) * kChains * 16 * 2 * 2;
 }
 
+}  // namespace avx512
 KT_NAMESPACE_END

@@ -1,9 +1,10 @@
 // Everything that executes AVX512_VNNI instructions: this file alone is compiled with -mavx512vnni
-// (CMakeLists.txt), and its functions run only after CPUID reported AVX512_VNNI (use_vpdpbusd()).
+// (CMakeLists.txt), and its functions run only after CPUID reported AVX512_VNNI (paths.cpp).
 #include "int_tiles.h"
-#include "paths.h"
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx512 {
 namespace {
 
 constexpr int kInt8Rows = 6, kInt8Groups = 4;  // 24 accumulators + 4 weight lines
@@ -29,13 +30,7 @@ struct DpbusdDot {
   static __m512i dot2(__m512i acc, Weights w1, Act a1, Weights w2, Act a2) { return dot(dot(acc, w1, a1), w2, a2); }
 };
 
-using Tiles = IntTiles<avx512::Vec, DpbusdDot>;
-
-}  // namespace
-
-void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<Tiles::Int8, kInt8Rows, kInt8Groups>(x, w, y, y_stride);
-}
+using Tiles = IntTiles<Vec, DpbusdDot>;
 
 template <template <int, int> class Tile>
 void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
@@ -45,12 +40,18 @@ void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t
     gemm_tiled_quantized<Tile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
 }
 
+}  // namespace
+
+void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_tiled_quantized<Tiles::Int8, kInt8Rows, kInt8Groups>(x, w, y, y_stride);
+}
+
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_four_bit<Tiles::FourBitTile>(x, w, y, y_stride);
 }
 
 void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_four_bit<IntTiles<avx512::Vec, DpbusdDot, Mxfp4Format<avx512::Vec>>::FourBitTile>(x, w, y, y_stride);
+  gemm_four_bit<IntTiles<Vec, DpbusdDot, Mxfp4Format<Vec>>::FourBitTile>(x, w, y, y_stride);
 }
 
 double dpbusd_peak_probe(int64_t iterations) {
@@ -66,4 +67,5 @@ double dpbusd_peak_probe(int64_t iterations) {
   return double(iterations) * kChains * 16 * 4 * 2;
 }
 
+}  // namespace avx512
 KT_NAMESPACE_END

@@ -52,7 +52,7 @@ def test_moe_forward_on_emulated_tiles(emulated):
     p.ids[:, 1] = torch.where(p.ids[:, 1] == 1, torch.full_like(p.ids[:, 1], 4), p.ids[:, 1])
     engine = emulated.MoEEngine(6, 2, 128, 96, "BF16", 2, [])
     bits = [w.to(torch.bfloat16).contiguous().view(torch.int16) for w in (p.gate, p.up, p.down)]
-    engine.load_bf16(*bits, torch.arange(6))
+    engine.load(bits[0], None, bits[1], None, bits[2], None, torch.arange(6))
     out = torch.empty(80, 128, dtype=torch.bfloat16)
     engine.submit(p.hidden.view(torch.int16), p.ids, p.weights, out.view(torch.int16))
     engine.sync()
@@ -99,7 +99,7 @@ def test_int8_moe_forward_on_emulated_tiles(emulated):
         values, scales = quant.quantize("INT8", getattr(p, name))
         tensors += [values.view(torch.uint8), scales[..., None].contiguous()]
         setattr(p, name, quant.dequantize("INT8", values, scales))
-    engine.load_integer(*tensors, torch.arange(6), "INT8")
+    engine.load(*tensors, torch.arange(6))
     out = torch.empty(80, 128, dtype=torch.bfloat16)
     before = tile_products(emulated)
     engine.submit(p.hidden.view(torch.int16), p.ids, p.weights, out.view(torch.int16))
@@ -116,16 +116,9 @@ def test_tiles_within_half_a_percent_on_outlier_activations(emulated, method):
 
     def forward(load, x, ids, topk_weights):
         layer = emulated.MoESubpools(8, 2, 256, method, emulated.WorkerPools([2], [[]]), [128], [])
-        tensors = [t.view(torch.int16) for t in load["tensors"]]
-        if load["scales"]:
-            scales = [s[..., None].contiguous() for s in load["scales"].values()]
-            tensors = [
-                t
-                for pair in zip(load["tensors"], scales, strict=True)
-                for t in (pair[0].view(torch.uint8), pair[1])
-            ]
-        loader = layer.engine(0).load_bf16 if method == "BF16" else layer.engine(0).load_integer
-        loader(*tensors, torch.arange(8), *([] if method == "BF16" else [method]))
+        scales = [s[..., None].contiguous() for s in load["scales"].values()] if load["scales"] else [None] * 3
+        tensors = [t for pair in zip(load["tensors"], scales, strict=True) for t in pair]
+        layer.engine(0).load(*tensors, torch.arange(8))
         out = torch.empty(x.shape, dtype=torch.bfloat16)
         before = tile_products(emulated)
         layer.submit(x.view(torch.int16), ids, topk_weights.float(), out.view(torch.int16))

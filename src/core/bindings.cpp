@@ -11,11 +11,9 @@
 
 #include "cpu_features.h"
 #include "engine.h"
+#include "formats.h"
 #include "kernels.h"
 #include "machine_probe.h"
-#ifdef KT_AMX_EMULATED
-#include "../../kernels_amx/tiles.h"
-#endif
 
 namespace nb = nanobind;
 using kt::bf16_t;
@@ -27,8 +25,10 @@ using Bf16In3 = CpuArray<const int16_t, nb::ndim<3>>;
 using Bf16In2 = CpuArray<const int16_t, nb::ndim<2>>;
 using Bf16Out2 = CpuArray<int16_t, nb::ndim<2>>;
 using Float32Out2 = CpuArray<float, nb::ndim<2>>;
-using Bytes3 = CpuArray<const uint8_t, nb::ndim<3>>;
-using Floats3 = CpuArray<const float, nb::ndim<3>>;
+// Weights and scales in a format's canonical layout, of any element type (bf16, int8, uint8,
+// float32): their sizes in bytes are checked against the format's traits.
+template <int Dims>
+using Canonical = nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<Dims>>;
 
 namespace {
 
@@ -38,26 +38,28 @@ void require(bool condition, const char* message) {
 
 const bf16_t* bf16_data(const int16_t* p) { return reinterpret_cast<const bf16_t*>(p); }
 
-kt::WeightFormat parse_format(const std::string& method) {
-  if (method == "BF16") return kt::WeightFormat::kBf16;
-  if (method == "MXFP4") return kt::WeightFormat::kMxfp4;
-  if (method == "INT8") return kt::WeightFormat::kInt8;
-  if (method == "INT4") return kt::WeightFormat::kInt4;
-  throw std::invalid_argument("the engine runs BF16, MXFP4, INT8 and INT4 weights, not " + method);
-}
-
-// An integer-format projection: values [.., n, k] (INT8) or [.., n, k/2] (INT4) bytes and float
-// scales [.., n, scales_per_row]; returns its INT4 group size (k / scales_per_row), 0 for INT8.
-int integer_scale_group(kt::WeightFormat format, size_t values_per_row, size_t scales_per_row) {
-  if (format == kt::WeightFormat::kInt8) {
-    require(scales_per_row == 1, "INT8 takes one scale per output row");
-    return 0;
+// Checks one canonical matrix stack (values [..., rows, bytes], scales [..., rows, count] or none;
+// Dims - 2 leading dimensions of `matrices` in all) against `format` for `rows` x `k` weights and
+// returns it as a SourceProjection. `what` names it in errors.
+template <int Dims>
+kt::SourceProjection canonical_source(const kt::FormatTraits& format, const Canonical<Dims>& values,
+                                      const std::optional<Canonical<Dims>>& scales, size_t matrices, int rows, int k,
+                                      const std::string& what) {
+  auto leading = [&](const auto& a) { return Dims == 2 || a.shape(0) == matrices; };
+  const size_t row_bytes = values.shape(Dims - 1) * values.itemsize();
+  if (!leading(values) || values.shape(Dims - 2) != size_t(rows) || row_bytes != format.row_bytes(k))
+    throw std::invalid_argument(what + ": " + format.name + " values must be " + std::to_string(rows) + " rows of " +
+                                std::to_string(format.row_bytes(k)) + " bytes per matrix");
+  if (!format.has_scales()) {
+    require(!scales.has_value(), "this format takes no scales");
+    return {values.data(), nullptr, 0};
   }
-  const size_t k = values_per_row * 2;
-  require(scales_per_row >= 1 && k % scales_per_row == 0, "INT4 scales must divide the input dimension");
-  const size_t group = k / scales_per_row;
-  require(group == 32 || group == 64 || group == 128, "INT4 group size must be 32, 64 or 128");
-  return int(group);
+  if (!scales || !leading(*scales) || scales->shape(Dims - 2) != size_t(rows) ||
+      scales->itemsize() != format.scale_bytes())
+    throw std::invalid_argument(what + ": " + format.name + " needs scales of " + std::to_string(format.scale_bytes()) +
+                                " bytes each, " + std::to_string(rows) + " rows per matrix");
+  const int group = kt::scale_group_of(format, k, scales->shape(Dims - 1), what + " scales");
+  return {values.data(), scales->data(), group};
 }
 
 // submit() of MoEEngine or MoESubpools: shapes checked here, the rest by the engine.
@@ -110,19 +112,29 @@ NB_MODULE(KT_MODULE_NAME, m) {
     nb::dict d;
     d["variant"] = KT_VARIANT_NAME;
     d["kernels"] = info.isa;
-#ifdef KT_AMX_TILES
-    d["bf16_path"] = std::string("amx_bf16 tiles (blocks of 32 rows, k % 32 == 0), else ") + info.bf16_path;
-    d["int8_path"] = std::string("INT8: amx_int8 tiles (blocks of 32 rows, k % 64 == 0), else ") + info.int8_path;
-#else
     d["bf16_path"] = info.bf16_path;
     d["int8_path"] = info.int8_path;
-#endif
     d["mxfp4_path"] = info.mxfp4_path;
-#ifdef KT_AMX_EMULATED
-    d["emulated_tile_products"] = kt::amx::emulated_tile_products();
-#endif
+    if (info.emulated_tile_products >= 0) d["emulated_tile_products"] = info.emulated_tile_products;
     return d;
   }, "Which kernels this build runs on this CPU.");
+
+  // The formats' constants, for the Python registry: one definition, here (FormatTraits).
+  nb::dict formats;
+  for (const kt::FormatTraits* format : kt::all_formats()) {
+    nb::dict f;
+    f["value_bits"] = format->value_bits;
+    f["scale_bytes"] = format->scale_bytes();
+    nb::list groups;  // 0: one scale per row
+    for (int group : format->allowed_scale_groups()) groups.append(group);
+    f["scale_groups"] = nb::tuple(groups);
+    f["k_multiple"] = format->k_multiple;
+    f["max_k"] = format->max_k;
+    f["quantized_activations"] = format->quantized_activations();
+    formats[format->name] = f;
+  }
+  m.attr("FORMATS") = formats;
+  m.attr("GROUP_ROWS") = kt::kGroupRows;
 
   m.def("cpu_features", [] {
     const kt::CpuFeatures f = kt::detect_cpu_features();
@@ -149,38 +161,16 @@ NB_MODULE(KT_MODULE_NAME, m) {
         "this build/CPU lacks it.");
 
   m.def("linear",
-        [](const std::string& method, Bf16In2 x, nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>> weight,
-           std::optional<nb::ndarray<nb::c_contig, nb::device::cpu, nb::ndim<2>>> scale, Float32Out2 y,
+        [](const std::string& method, Bf16In2 x, Canonical<2> weight, std::optional<Canonical<2>> scale, Float32Out2 y,
            int repeats, bool int8_activations) {
-          const kt::WeightFormat format = parse_format(method);
+          const kt::FormatTraits& format = kt::format_named(method);
           const int m = int(x.shape(0)), k = int(x.shape(1)), n = int(y.shape(1));
-          require(y.shape(0) == x.shape(0) && weight.shape(0) == y.shape(1), "x, weight and y disagree in shape");
-          int scale_group = 0;
-          switch (format) {
-            case kt::WeightFormat::kBf16:
-              require(weight.shape(1) == size_t(k) && weight.itemsize() == 2, "BF16 weight must be [n, k] bf16");
-              break;
-            case kt::WeightFormat::kMxfp4:
-              require(k % 32 == 0 && weight.shape(1) * 2 == size_t(k) && scale && scale->shape(0) == size_t(n) &&
-                          scale->shape(1) * 32 == size_t(k) && scale->itemsize() == 1,
-                      "MXFP4 weight must be [n, k/2] codes with scale [n, k/32] bytes, k % 32 == 0");
-              break;
-            case kt::WeightFormat::kInt8:
-            case kt::WeightFormat::kInt4: {
-              const bool int4 = format == kt::WeightFormat::kInt4;
-              require(weight.itemsize() == 1 && weight.shape(1) * (int4 ? 2 : 1) == size_t(k) && scale &&
-                          scale->dtype() == nb::dtype<float>() && scale->shape(0) == size_t(n),
-                      "INT8 weight must be [n, k] int8 with float scale [n, 1]; INT4 [n, k/2] bytes with float "
-                      "scale [n, k/G]");
-              scale_group = integer_scale_group(format, weight.shape(1), scale->shape(1));
-              break;
-            }
-          }
+          require(y.shape(0) == x.shape(0), "x and y disagree in shape");
+          require(k % format.k_multiple == 0 && k <= format.max_k, "k does not suit this format");
+          const kt::SourceProjection w = canonical_source<2>(format, weight, scale, 1, n, k, "weight");
           require(repeats >= 1, "repeats must be >= 1");
           nb::gil_scoped_release release;
-          return kt::linear(format, bf16_data(x.data()), m, k,
-                            {weight.data(), scale ? scale->data() : nullptr, scale_group}, n, y.data(), repeats,
-                            int8_activations);
+          return kt::linear(format, bf16_data(x.data()), m, k, w, n, y.data(), repeats, int8_activations);
         },
         nb::arg("method"), nb::arg("x"), nb::arg("weight"), nb::arg("scale").none(), nb::arg("y"),
         nb::arg("repeats") = 1, nb::arg("int8_activations") = false,
@@ -192,54 +182,31 @@ NB_MODULE(KT_MODULE_NAME, m) {
            [](kt::MoEEngine* self, int num_experts, int top_k, int hidden, int intermediate, const std::string& method,
               int threads, const std::vector<int>& skip_experts) {
              require(threads >= 1, "threads must be >= 1");
-             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, parse_format(method),
+             new (self) kt::MoEEngine({num_experts, top_k, hidden, intermediate}, kt::format_named(method),
                                       std::make_shared<kt::ThreadPool>(threads), skip_experts);
            },
            nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("method"),
            nb::arg("threads"), nb::arg("skip_experts"), "An engine with a thread pool of its own (for tests).")
-      .def("load_bf16",
-           [](kt::MoEEngine& engine, Bf16In3 gate, Bf16In3 up, Bf16In3 down,
+      .def("load",
+           [](kt::MoEEngine& engine, Canonical<3> gate, std::optional<Canonical<3>> gate_scale, Canonical<3> up,
+              std::optional<Canonical<3>> up_scale, Canonical<3> down, std::optional<Canonical<3>> down_scale,
               CpuArray<const int64_t, nb::ndim<1>> source_of_slot) {
-             require(gate.shape(0) == up.shape(0) && gate.shape(0) == down.shape(0),
-                     "gate, up and down must hold the same number of experts");
-             require(gate.shape(1) == up.shape(1) && gate.shape(2) == up.shape(2) &&
-                         down.shape(1) == gate.shape(2) && down.shape(2) == gate.shape(1),
-                     "gate/up must be [E, I, H] and down [E, H, I]");
-             engine.load({gate.data(), nullptr}, {up.data(), nullptr}, {down.data(), nullptr}, int(gate.shape(0)),
-                          source_of_slot.data());
+             const kt::MoEShape& shape = engine.shape();
+             const kt::FormatTraits& format = engine.format();
+             const size_t sources = gate.shape(0);
+             require(source_of_slot.shape(0) == size_t(shape.num_experts), "source_of_slot needs one entry per expert");
+             const int H = shape.hidden, I = shape.intermediate;
+             const kt::SourceProjection g = canonical_source<3>(format, gate, gate_scale, sources, I, H, "gate");
+             const kt::SourceProjection u = canonical_source<3>(format, up, up_scale, sources, I, H, "up");
+             const kt::SourceProjection d = canonical_source<3>(format, down, down_scale, sources, H, I, "down");
+             nb::gil_scoped_release release;
+             engine.load(g, u, d, int(sources), source_of_slot.data());
            },
-           nb::call_guard<nb::gil_scoped_release>(), "Copy and pack bf16 weights (shapes checked in Python).")
-      .def("load_mxfp4",
-           [](kt::MoEEngine& engine, Bytes3 gate, Bytes3 gate_scale, Bytes3 up, Bytes3 up_scale, Bytes3 down,
-              Bytes3 down_scale, CpuArray<const int64_t, nb::ndim<1>> source_of_slot) {
-             require(gate.shape(0) == up.shape(0) && gate.shape(0) == down.shape(0) &&
-                         gate_scale.shape(0) == gate.shape(0) && up_scale.shape(0) == gate.shape(0) &&
-                         down_scale.shape(0) == gate.shape(0),
-                     "the six MXFP4 tensors must hold the same number of experts");
-             engine.load({gate.data(), gate_scale.data()}, {up.data(), up_scale.data()},
-                         {down.data(), down_scale.data()}, int(gate.shape(0)), source_of_slot.data());
-           },
-           nb::call_guard<nb::gil_scoped_release>(),
-           "Copy and pack MXFP4 codes [E, N, K/2] and E8M0 scales [E, N, K/32] (checked in Python).")
-      .def("load_integer",
-           [](kt::MoEEngine& engine, Bytes3 gate, Floats3 gate_scale, Bytes3 up, Floats3 up_scale, Bytes3 down,
-              Floats3 down_scale, CpuArray<const int64_t, nb::ndim<1>> source_of_slot, const std::string& method) {
-             const kt::WeightFormat format = parse_format(method);
-             require(kt::is_integer_format(format), "load_integer takes INT8 or INT4 weights");
-             require(gate.shape(0) == up.shape(0) && gate.shape(0) == down.shape(0) &&
-                         gate_scale.shape(0) == gate.shape(0) && up_scale.shape(0) == gate.shape(0) &&
-                         down_scale.shape(0) == gate.shape(0),
-                     "the six integer tensors must hold the same number of experts");
-             auto projection = [&](const Bytes3& values, const Floats3& scales) {
-               return kt::SourceProjection{values.data(), scales.data(),
-                                           integer_scale_group(format, values.shape(2), scales.shape(2))};
-             };
-             engine.load(projection(gate, gate_scale), projection(up, up_scale), projection(down, down_scale),
-                         int(gate.shape(0)), source_of_slot.data());
-           },
-           nb::call_guard<nb::gil_scoped_release>(),
-           "Copy and pack INT8 [E, N, K] / INT4 [E, N, K/2] weights with float scales [E, N, 1] / [E, N, K/G] "
-           "(checked in Python).")
+           nb::arg("gate"), nb::arg("gate_scale").none(), nb::arg("up"), nb::arg("up_scale").none(), nb::arg("down"),
+           nb::arg("down_scale").none(), nb::arg("source_of_slot"),
+           "Copy and pack the weights of every source expert in the engine's format's canonical layout: "
+           "gate/up [E, I, row bytes of H], down [E, H, row bytes of I], scales [E, rows, scales per row] or None "
+           "(any element type; sizes checked in bytes).")
       .def("submit", &submit<kt::MoEEngine>, nb::call_guard<nb::gil_scoped_release>(),
            "Start a forward; hidden and out must stay alive until sync().")
       .def("submit_addresses", &submit_addresses<kt::MoEEngine>, nb::arg("hidden"), nb::arg("tokens"), nb::arg("ids"),
@@ -284,7 +251,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
              options.int8_activations = int8_activations;
              options.swiglu_limit = swiglu_limit;
              options.swiglu_alpha = swiglu_alpha;
-             new (self) kt::MoESubpools({num_experts, top_k, hidden, intermediate}, parse_format(method), pools,
+             new (self) kt::MoESubpools({num_experts, top_k, hidden, intermediate}, kt::format_named(method), pools,
                                         intermediates, skip_experts, options);
            },
            nb::arg("num_experts"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("method"), nb::arg("pools"),

@@ -66,24 +66,12 @@ void require(bool condition, const std::string& message) {
 
 }  // namespace
 
-void PackedProjection::allocate(WeightFormat format, int experts, int rows_, int k_, int scale_group_) {
+void PackedProjection::allocate(const FormatTraits& format, int experts, int rows_, int k_, int scale_group_) {
   rows = rows_;
   k = k_;
   scale_group = scale_group_;
-  switch (format) {
-    case WeightFormat::kBf16:
-      group_bytes = bf16_group_bytes(k), group_scale_bytes = 0;
-      break;
-    case WeightFormat::kMxfp4:
-      group_bytes = mxfp4_group_bytes(k), group_scale_bytes = mxfp4_group_scale_bytes(k);
-      break;
-    case WeightFormat::kInt8:
-      group_bytes = int8_group_bytes(k), group_scale_bytes = int8_group_scale_bytes(k);
-      break;
-    case WeightFormat::kInt4:
-      group_bytes = int4_group_bytes(k), group_scale_bytes = int4_group_scale_bytes(k, scale_group);
-      break;
-  }
+  group_bytes = format.group_bytes(k);
+  group_scale_bytes = format.group_scale_bytes(k, scale_group);
   values.reserve(size_t(experts) * packed_groups(rows) * group_bytes);
   scales.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
 }
@@ -102,7 +90,7 @@ void QuantizedBuffer::reserve(int rows, int k) {
   block_sums.reserve(quantized_rows * stride / kActivationBlock);
 }
 
-void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, WeightFormat format) {
+void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, const FormatTraits& format) {
   auto out = [&](size_t quantized_row) {
     return QuantizedRowOut{values.data() + quantized_row * stride, scales.data() + quantized_row,
                            block_sums.data() + quantized_row * stride / kActivationBlock};
@@ -110,7 +98,7 @@ void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, WeightFormat for
   const size_t first = size_t(row) * parts;
   const QuantizedRowOut residual = out(first + 1);
   quantize_activation_row(x, k, int(stride), out(first), parts == 2 ? &residual : nullptr);
-  if (format == WeightFormat::kMxfp4)
+  if (format.activations == ActivationKind::kQuantizedOctetOrder)
     for (int p = 0; p < parts; ++p) order_octets_for_mxfp4(out(first + p).values, int(stride));
 }
 
@@ -135,54 +123,30 @@ void sum_parts(float* y, int rows, int parts, int cols, size_t stride) {
 
 namespace {
 
-// Packs one matrix (rows x k) of the canonical source into `dst` at `dst_values` / `dst_scales`.
-void pack_matrix(WeightFormat format, SourceProjection src, size_t matrix, int rows, int k, uint8_t* dst_values,
-                 uint8_t* dst_scales) {
-  const size_t weights = size_t(rows) * k;
-  const uint8_t* values = static_cast<const uint8_t*>(src.values);
-  switch (format) {
-    case WeightFormat::kBf16:
-      return pack_bf16(static_cast<const bf16_t*>(src.values) + matrix * weights, rows, k, dst_values);
-    case WeightFormat::kMxfp4:
-      return pack_mxfp4(values + matrix * weights / 2,
-                        static_cast<const uint8_t*>(src.scales) + matrix * weights / kMxfp4Block, rows, k,
-                        dst_values, dst_scales);
-    case WeightFormat::kInt8:
-      return pack_int8(reinterpret_cast<const int8_t*>(values) + matrix * weights,
-                       static_cast<const float*>(src.scales) + matrix * rows, rows, k, dst_values, dst_scales);
-    case WeightFormat::kInt4:
-      return pack_int4(values + matrix * weights / 2,
-                       static_cast<const float*>(src.scales) + matrix * weights / src.scale_group, rows, k,
-                       src.scale_group, dst_values, dst_scales);
-  }
-}
-
-void run_gemm(WeightFormat format, const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  switch (format) {
-    case WeightFormat::kBf16:
-      return gemm_bf16(x, w, y, y_stride);
-    case WeightFormat::kMxfp4:
-      return gemm_mxfp4(x, w, y, y_stride);
-    case WeightFormat::kInt8:
-      return gemm_int8(x, w, y, y_stride);
-    case WeightFormat::kInt4:
-      return gemm_int4(x, w, y, y_stride);
-  }
+// Packs matrix `matrix` (rows x k) of the canonical source into `dst_values` / `dst_scales`.
+void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, int rows, int k,
+                 uint8_t* dst_values, uint8_t* dst_scales) {
+  const size_t scale_row_bytes = format.scales_per_row(k, src.scale_group) * format.scale_bytes();
+  const uint8_t* scales = static_cast<const uint8_t*>(src.scales);
+  format.pack(static_cast<const uint8_t*>(src.values) + matrix * rows * format.row_bytes(k),
+              scales ? scales + matrix * rows * scale_row_bytes : nullptr, rows, k, src.scale_group, dst_values,
+              dst_scales);
 }
 
 }  // namespace
 
-double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
+double linear(const FormatTraits& format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
               int repeats, bool int8_activations) {
   PackedProjection packed;
   packed.allocate(format, 1, n, k, w.scale_group);
   pack_matrix(format, w, 0, n, k, packed.expert_values(0), packed.expert_scales(0));
   const int stride = round_up(k, 32), y_stride = packed_groups(n) * kGroupRows;
-  const bool quantize = quantizes_activations(format);
+  const bool quantize = format.quantized_activations();
   QuantizedBuffer quantized;
   quantized.parts = quantize && !int8_activations ? 2 : 1;
   AlignedBuffer<bf16_t> rows(size_t(m) * stride);
   AlignedBuffer<float> out(size_t(m) * quantized.parts * y_stride);
+  AlignedBuffer<uint8_t> scratch(kernel_scratch_bytes(m * quantized.parts, k));
   if (quantize) quantized.reserve(m, k);
   for (int i = 0; i < m; ++i) {
     std::memcpy(rows.data() + size_t(i) * stride, x + size_t(i) * k, k * sizeof(bf16_t));
@@ -191,9 +155,11 @@ double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjecti
   }
   Activations activations{rows.data(), size_t(stride), nullptr, m * quantized.parts};
   if (quantize) activations.quantized = quantized.view();
+  activations.scratch = scratch.data();
+  const GemmFn gemm = kernels().*format.gemm;
   const PackedGroups all = packed.groups(0, 0, packed_groups(n));
   const auto start = std::chrono::steady_clock::now();
-  for (int r = 0; r < repeats; ++r) run_gemm(format, activations, all, out.data(), y_stride);
+  for (int r = 0; r < repeats; ++r) gemm(activations, all, out.data(), y_stride);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   sum_parts(out.data(), m, quantized.parts, y_stride, y_stride);
   for (int i = 0; i < m; ++i) std::memcpy(y + size_t(i) * n, out.data() + size_t(i) * y_stride, n * sizeof(float));
@@ -226,7 +192,7 @@ void sum_to_bf16(const std::vector<AlignedBuffer<float>>& parts, size_t begin, s
 
 }  // namespace
 
-MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr<ThreadPool> pool,
                      const std::vector<int>& skip_experts, const EngineOptions& options)
     : MoEEngine(shape, format, std::move(pool), std::make_shared<ExpertWeights>(), options) {
   weights_->skip.assign(shape.num_experts, 0);
@@ -236,12 +202,13 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<Thread
   }
 }
 
-MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr<ThreadPool> pool,
                      std::shared_ptr<ExpertWeights> weights, const EngineOptions& options)
     : shape_(shape),
       format_(format),
+      gemm_(kernels().*format.gemm),
       options_(options),
-      quantized_activations_(quantizes_activations(format)),
+      quantized_activations_(format.quantized_activations()),
       hidden_stride_(round_up(shape.hidden, 32)),
       inter_stride_(round_up(shape.intermediate, 32)),
       weights_(std::move(weights)),
@@ -253,12 +220,12 @@ MoEEngine::MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<Thread
   require(shape.hidden >= 1 && shape.intermediate >= 1, "hidden_size and moe_intermediate_size must be >= 1");
   require(shape.hidden <= kMaxDimension && shape.intermediate <= kMaxDimension,
           "hidden_size and moe_intermediate_size must be <= " + std::to_string(kMaxDimension));
-  if (format == WeightFormat::kMxfp4 || format == WeightFormat::kInt4)
-    require(shape.hidden % 32 == 0 && shape.intermediate % 32 == 0,
-            "MXFP4 and INT4 need hidden_size and moe_intermediate_size to be multiples of 32");
-  if (format == WeightFormat::kInt8)
-    require(shape.hidden <= kInt8MaxK && shape.intermediate <= kInt8MaxK,
-            "INT8 needs hidden_size and moe_intermediate_size <= 65536");
+  require(shape.hidden % format.k_multiple == 0 && shape.intermediate % format.k_multiple == 0,
+          std::string(format.name) + " needs hidden_size and moe_intermediate_size to be multiples of " +
+              std::to_string(format.k_multiple));
+  require(shape.hidden <= format.max_k && shape.intermediate <= format.max_k,
+          std::string(format.name) + " needs hidden_size and moe_intermediate_size <= " +
+              std::to_string(format.max_k));
   scratch_.resize(pool_->size());
   parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
   hidden_q_.parts = activation_q_.parts = parts_;
@@ -322,10 +289,10 @@ void MoEEngine::unpack(Projection projection, int expert, const UnpackRegion& re
   require(region.row0 >= 0 && region.rows >= 0 && region.row0 <= p.rows - region.rows,
           "unpack rows outside the projection");
   require(region.k0 >= 0 && region.cols >= 0 && region.k0 <= p.k - region.cols, "unpack inputs outside the projection");
-  const int block = format_ == WeightFormat::kMxfp4 ? kMxfp4Block : format_ == WeightFormat::kInt4 ? p.scale_group : 1;
+  const int block = format_.unpack_block(p.scale_group);
   require(region.k0 % block == 0 && region.cols % block == 0, "unpack inputs must keep scale blocks whole");
   require(region.rows == 0 || region.cols == 0 ||
-              (region.values != nullptr && (format_ == WeightFormat::kBf16 || region.scales != nullptr)),
+              (region.values != nullptr && (!format_.has_scales() || region.scales != nullptr)),
           "unpack needs destinations for the values and scales");
   const PackedGroups all = p.groups(expert, 0, packed_groups(p.rows));
   pool_->run([&](int worker) {
@@ -337,21 +304,8 @@ void MoEEngine::unpack(Projection projection, int expert, const UnpackRegion& re
     share.rows = last - first;
     share.values += first * region.values_stride;
     if (share.scales != nullptr) share.scales += first * region.scales_stride;
-    switch (format_) {
-      case WeightFormat::kBf16:
-        return unpack_bf16(all, share);
-      case WeightFormat::kMxfp4:
-        return unpack_mxfp4(all, share);
-      case WeightFormat::kInt8:
-        return unpack_int8(all, share);
-      case WeightFormat::kInt4:
-        return unpack_int4(all, share);
-    }
+    format_.unpack(all, share);
   });
-}
-
-void MoEEngine::gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const {
-  run_gemm(format_, x, w, y, y_stride);
 }
 
 void MoEEngine::submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights,
@@ -417,6 +371,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
     activation_q_.reserve(total_rows, shape_.intermediate);
   }
   for (ThreadScratch& s : scratch_) {
+    s.kernel.reserve(kernel_scratch_bytes(max_rows * parts_, std::max(shape_.hidden, shape_.intermediate)));
     s.gate.reserve(size_t(max_rows) * parts_ * kBlockCols);
     s.up.reserve(size_t(max_rows) * parts_ * kBlockCols);
     s.down.reserve(size_t(max_rows) * parts_ * kBlockCols);
@@ -519,12 +474,13 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   if (quantized_activations_)
     x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
          hidden_q_.view()};
+  x.scratch = s.kernel.data();
 
   PackedGroups gate = weights_->gate.groups(expert, g0, block_groups);
   const PackedGroups up = weights_->up.groups(expert, g0, block_groups);
   gate.next_values = up.values;
-  gemm(x, gate, s.gate.data(), kBlockCols);
-  gemm(x, up, s.up.data(), kBlockCols);
+  gemm_(x, gate, s.gate.data(), kBlockCols);
+  gemm_(x, up, s.up.data(), kBlockCols);
   sum_parts(s.gate.data(), rows, parts_, block_groups * kGroupRows, kBlockCols);
   sum_parts(s.up.data(), rows, parts_, block_groups * kGroupRows, kBlockCols);
   for (int i = 0; i < rows; ++i)
@@ -546,10 +502,11 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
     Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = activation_q_.view(first);
+    x.scratch = s.kernel.data();
     PackedGroups down = weights_->down.groups(expert, g0, block_groups);
     if (active + 1 < active_experts_.size())
       down.next_values = weights_->down.groups(active_experts_[active + 1], g0, block_groups).values;
-    gemm(x, down, s.down.data(), kBlockCols);
+    gemm_(x, down, s.down.data(), kBlockCols);
     sum_parts(s.down.data(), rows, parts_, block_cols, kBlockCols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];
@@ -579,7 +536,7 @@ WorkerPools::WorkerPools(const std::vector<int>& threads, const std::vector<std:
   }
 }
 
-MoESubpools::MoESubpools(MoEShape shape, WeightFormat format, const WorkerPools& pools,
+MoESubpools::MoESubpools(MoEShape shape, const FormatTraits& format, const WorkerPools& pools,
                          const std::vector<int>& intermediates, const std::vector<int>& skip_experts,
                          const EngineOptions& common)
     : partials_(intermediates.size()), hidden_(shape.hidden) {

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "common.h"
+#include "formats.h"
 #include "kernels.h"
 #include "thread_pool.h"
-#include "unpack.h"
 
 KT_NAMESPACE_BEGIN
 
@@ -21,23 +21,14 @@ struct MoEShape {
   int intermediate;
 };
 
-enum class WeightFormat { kBf16, kMxfp4, kInt8, kInt4 };
-
-inline bool is_integer_format(WeightFormat format) {
-  return format == WeightFormat::kInt8 || format == WeightFormat::kInt4;
-}
-
-// Whether the kernels for `format` read int8 activations (QuantizedRows): all but BF16's.
-inline bool quantizes_activations(WeightFormat format) { return format != WeightFormat::kBf16; }
-
 // One projection (gate, up or down) of every expert, packed for the kernels.
 struct PackedProjection {
   int rows = 0, k = 0, scale_group = 0;
   size_t group_bytes = 0, group_scale_bytes = 0;
   AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
 
-  // scale_group: INT4's inputs per scale (ignored by the other formats).
-  void allocate(WeightFormat format, int experts, int rows, int k, int scale_group);
+  // scale_group: the inputs per scale of the source (FormatTraits).
+  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group);
   uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
   uint8_t* expert_scales(int expert) {
     return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
@@ -46,11 +37,8 @@ struct PackedProjection {
   PackedGroups groups(int expert, int first, int count) const;
 };
 
-// The canonical (unpacked) weights of one projection for all source experts:
-//   BF16: values bf16 [E, rows, k], no scales;
-//   MXFP4: values E2M1 codes [E, rows, k/2], scales E8M0 bytes [E, rows, k/32];
-//   INT8: values int8 [E, rows, k], scales float [E, rows];
-//   INT4: values uint8 [E, rows, k/2], scales float [E, rows, k/scale_group].
+// The canonical (unpacked) weights of one projection for all source experts, in the format's
+// layout (FormatTraits): values [E, rows, row_bytes(k)], scales [E, rows, scales_per_row] or null.
 struct SourceProjection {
   const void* values;
   const void* scales;
@@ -69,7 +57,7 @@ struct QuantizedBuffer {
 
   void reserve(int rows, int k);
   // Row `row` from x (k values), in the order `format`'s kernels read (MXFP4: octet order).
-  void quantize(int row, const bf16_t* x, int k, WeightFormat format);
+  void quantize(int row, const bf16_t* x, int k, const FormatTraits& format);
   // The quantized rows from row `first_row`'s first part on.
   QuantizedRows view(int first_row = 0) const;
 };
@@ -82,7 +70,7 @@ void sum_parts(float* y, int rows, int parts, int cols, size_t stride);
 // the kernels without the MoE around them, for tests of odd shapes and kernel timing. Packs W once,
 // runs the GEMM `repeats` times and returns the mean seconds of one GEMM.
 // int8_activations: one quantized row per activation row (the opt-in lossy mode), not two.
-double linear(WeightFormat format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
+double linear(const FormatTraits& format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
               int repeats = 1, bool int8_activations = false);
 
 // Calls of at most this many multiply-adds (tens of microseconds on one core) run on the caller.
@@ -114,7 +102,7 @@ class MoEEngine {
   // set_gpu_experts changes the set.
   // pool: the worker threads it runs on, shared with other engines (other layers): their calls
   // take turns on it in submit order.
-  MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+  MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr<ThreadPool> pool,
             const std::vector<int>& skip_experts, const EngineOptions& options = {});
   ~MoEEngine();
 
@@ -129,7 +117,7 @@ class MoEEngine {
   // memcmp. Not while a forward is in flight.
   void set_gpu_experts(const uint8_t* gpu_mask);
   // Writes slot `expert`'s rows and inputs of one projection given by `region` back in the
-  // canonical layout (unpack.h), on the pool's threads. Not while a forward is in flight.
+  // canonical layout (UnpackRegion), on the pool's threads. Not while a forward is in flight.
   void unpack(Projection projection, int expert, const UnpackRegion& region);
   // An engine on the same weights, mask and threads with a call state of its own, so a second
   // call of this layer can be in flight (deferred experts). Loads go through the first engine.
@@ -149,15 +137,18 @@ class MoEEngine {
   void release_scratch();
   // The CPUs each worker thread may run on, read back from the kernel by the worker itself.
   std::vector<std::vector<int>> worker_cpus();
+  const MoEShape& shape() const { return shape_; }
+  const FormatTraits& format() const { return format_; }
   // The engine's threads, for work on its CPUs between forwards (the subpools' reduction).
   ThreadPool& pool() { return *pool_; }
 
  private:
   struct ThreadScratch {
     AlignedBuffer<float> gate, up, acc, down;
+    AlignedBuffer<uint8_t> kernel;  // Activations::scratch
   };
 
-  MoEEngine(MoEShape shape, WeightFormat format, std::shared_ptr<ThreadPool> pool,
+  MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr<ThreadPool> pool,
             std::shared_ptr<ExpertWeights> weights, const EngineOptions& options);
   void start(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out,
              float* out_f32);
@@ -170,13 +161,13 @@ class MoEEngine {
   void gate_up_task(int task, ThreadScratch& scratch);
   void down_task(int block, ThreadScratch& scratch);
   void pack(PackedProjection& dst, SourceProjection src, int slot, size_t source);
-  void gemm(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) const;
 
   std::mutex api_mutex_;  // held by each public method: callers on several threads take turns
   const MoEShape shape_;
-  const WeightFormat format_;
+  const FormatTraits& format_;
+  const GemmFn gemm_;  // format_'s GEMM in this build
   const EngineOptions options_;
-  const bool quantized_activations_;  // quantizes_activations(format_)
+  const bool quantized_activations_;  // format_.quantized_activations()
   int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
   bool pending_ = false;
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
@@ -227,7 +218,7 @@ class MoESubpools {
  public:
   // shape.intermediate is the whole layer's; intermediates[i], subpool i's slice, must add up to it
   // and name one slice per pool. Each engine gets `options` with its share of the inline threshold.
-  MoESubpools(MoEShape shape, WeightFormat format, const WorkerPools& pools, const std::vector<int>& intermediates,
+  MoESubpools(MoEShape shape, const FormatTraits& format, const WorkerPools& pools, const std::vector<int>& intermediates,
               const std::vector<int>& skip_experts, const EngineOptions& options = {});
   MoESubpools(const MoESubpools&) = delete;
   MoESubpools& operator=(const MoESubpools&) = delete;

@@ -1,7 +1,17 @@
-// The kernel interface: declared once here, defined once per kernels_<isa>/ directory. A variant
-// module links src/core with exactly one kernels directory, so the choice of implementation is made
-// by the linker, not by branches in hot loops. Adding a format = one layout + pack function here
-// (packing is ISA-neutral, src/core/pack.cpp), one gemm_<format> per kernels directory.
+// The kernel interface: declared once here, defined once per kernels_<isa>/ directory (its
+// entry.cpp). A variant module links src/core with one kernels directory (the amx build: with the
+// avx512 one below it), so the choice of implementation is made by the linker and, inside a build,
+// once at start-up by init_kernels(), not by branches in hot loops.
+//
+// Adding a weight format:
+//   1. its packed layout and constants below, and a field in Kernels;
+//   2. src/core/formats/<name>.cpp: pack, unpack and the FormatTraits entry; one line in the
+//      WeightFormat enum and the table of src/core/formats.cpp;
+//   3. one GEMM per kernels directory (the shared tiles in kernels_common/ usually do the work),
+//      put in the table by its entry.cpp;
+//   4. one entry in the Python registry (src/kt_kernel/formats.py): names, canonical tensors,
+//      quantize / dequantize, checkpoint tensors;
+//   5. test rows: the format's name in the tests' format lists.
 #pragma once
 
 #include "common.h"
@@ -52,12 +62,15 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
 // The activation rows a GEMM reads: row i is base + (row_ids ? row_ids[i] : i) * stride, bf16,
 // readable (zero padded) up to round_up(k, 2) elements; for the formats multiplied in integers
 // (INT8, INT4, MXFP4) also `quantized`, indexed the same way.
+// scratch: kernel_scratch_bytes(rows, k) bytes, sized by the caller before the job starts, for a
+// kernel that widens or gathers its rows first.
 struct Activations {
   const bf16_t* base;
   size_t stride;
   const int32_t* row_ids;
   int rows;
   QuantizedRows quantized = {};
+  uint8_t* scratch = nullptr;
   size_t index(int i) const { return size_t(row_ids ? row_ids[i] : i); }
   const bf16_t* row(int i) const { return base + index(i) * stride; }
   QuantizedRow quantized_row(int i) const {
@@ -67,6 +80,8 @@ struct Activations {
   }
 };
 
+inline size_t kernel_scratch_bytes(int rows, int k) { return size_t(rows) * round_up(k, 4) * sizeof(float); }
+
 // A run of packed groups of one matrix.
 struct PackedGroups {
   const uint8_t* values;     // the first group's weights
@@ -75,7 +90,7 @@ struct PackedGroups {
   size_t group_scale_bytes;  // stride between groups in `scales`
   int k;                     // inputs per row
   int groups;
-  int scale_group = 0;       // INT4: inputs per scale (32, 64 or 128)
+  int scale_group = 0;       // inputs per scale (INT4: 32, 64 or 128; MXFP4: 32; 0: per row)
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
   // tiles pull them into L2 while they reread these from cache (gemm_tiled).
   const uint8_t* next_values = nullptr;
@@ -89,8 +104,6 @@ struct PackedGroups {
 //   pair p, row r -> { W[r][2p], W[r][2p + 1] }
 // so one 64-byte line holds 16 rows x 2 inputs: one vdpbf16ps operand, or two AVX2 fp32 vectors
 // after a shift / mask. k is padded to an even count with zeros.
-inline size_t bf16_group_bytes(int k) { return size_t(round_up(k, 2)) * kGroupRows * sizeof(bf16_t); }
-void pack_bf16(const bf16_t* weights, int rows, int k, uint8_t* packed);
 
 // ---- MXFP4 (OCP Microscaling: E2M1 values, one E8M0 scale per 32 inputs) --------------------
 // Canonical input: codes [rows][k/2] (low nibble = even k), scales [rows][k/32]; k % 32 == 0.
@@ -108,10 +121,6 @@ constexpr int kMxfp4Block = 32;
 // block sums hold.
 void order_octets_for_mxfp4(int8_t* values, int count);
 constexpr int kMxfp4ChunkBytes = 64;
-inline size_t mxfp4_group_bytes(int k) { return size_t(k / kMxfp4Block) * 4 * kMxfp4ChunkBytes; }
-inline size_t mxfp4_group_scale_bytes(int k) { return size_t(k / kMxfp4Block) * kGroupRows; }
-void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, uint8_t* packed,
-                uint8_t* packed_scales);
 
 // ---- INT8 and INT4: integer dot products with int8 activations (QuantizedRows) --------------
 // Weights are stored UNSIGNED, INT8 as q + 128 and INT4 as q + 8, so that one u8 x s8 dot product
@@ -125,22 +134,18 @@ void pack_mxfp4(const uint8_t* codes, const uint8_t* scales, int rows, int k, ui
 // (and a shift) yields two INT8-layout quads. Scales: per group, per G inputs, 16 floats.
 constexpr int kInt8Offset = 128, kInt4Offset = 8;
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
-inline size_t int8_group_bytes(int k) { return size_t(round_up(k, 4)) * kGroupRows; }
-inline size_t int8_group_scale_bytes(int) { return kGroupRows * sizeof(float); }
-inline size_t int4_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
-inline size_t int4_group_scale_bytes(int k, int group) { return size_t(k / group) * kGroupRows * sizeof(float); }
-// Canonical input: INT8 q [rows][k] int8, scales [rows]; INT4 q [rows][k/2] (low nibble = even k,
-// two's complement), scales [rows][k/group], k % group == 0.
-void pack_int8(const int8_t* q, const float* scales, int rows, int k, uint8_t* packed, uint8_t* packed_scales);
-void pack_int4(const uint8_t* q, const float* scales, int rows, int k, int group, uint8_t* packed,
-               uint8_t* packed_scales);
 
 // ---- GEMM: y[i][j] = sum_k x_i[k] * W[j][k], i < x.rows, j < kGroupRows * w.groups ----------
-// fp32 accumulation; y is overwritten, row stride y_stride floats.
-void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
-void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
-void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // x.quantized
+// fp32 accumulation; y is overwritten, row stride y_stride floats. The integer formats read
+// x.quantized. A GEMM may use x.scratch and allocates nothing: it runs inside pool jobs, which must
+// not throw.
+using GemmFn = void (*)(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+
+// The build's GEMM per format, chosen once by init_kernels() (entry.cpp of each kernels directory).
+struct Kernels {
+  GemmFn bf16, mxfp4, int8, int4;
+};
+const Kernels& kernels();
 
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
 enum class PeakOp { kFmaF32, kDpBf16, kDpInt8 };  // fp32 FMA, vdpbf16ps, vpdpbusd
@@ -153,10 +158,11 @@ double peak_probe(PeakOp op, int64_t iterations);
 void init_kernels();
 
 struct KernelInfo {
-  const char* isa;        // the kernels directory linked in
+  const char* isa;         // the build: avx2, avx512 or amx
   const char* bf16_path;   // how bf16 products are computed (BF16 kernels)
   const char* mxfp4_path;  // how MXFP4 weights are multiplied
   const char* int8_path;   // how u8 x s8 products are computed (INT8 and INT4 kernels)
+  long emulated_tile_products = -1;  // the test-only emulated AMX build: tile products run so far
 };
 KernelInfo kernel_info();
 

@@ -471,12 +471,9 @@ class KTMoEWrapper:
             self._scale_blocks = {name: k[name] // t.shape[2] for name, t in scale_tensors.items()}
         for sp in self._subpools:
             tensors = self._slice_intermediate(canonical, sp.start, sp.stop)
-            if self.weight_format == "BF16":
-                sp.engine.load_bf16(*tensors, slot_map)
-            elif self.weight_format == "MXFP4":
-                sp.engine.load_mxfp4(*tensors, slot_map)
-            else:
-                sp.engine.load_integer(*tensors, slot_map, self.weight_format)
+            if self.weight_format == "BF16":  # no scales
+                tensors = [tensors[0], None, tensors[1], None, tensors[2], None]
+            sp.engine.load(*tensors, slot_map)
         self._loaded = True
 
     def _slice_intermediate(self, tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-// The AVX2 pieces of the integer tiles (src/core/int_tiles.h): ymm vector traits (a 16-row group is
-// two ymm) and the u8 x s8 dot products, emulated by vpmaddwd or vpmaddubsw.
+// What the AVX2 kernel files share: the ymm vector traits of the shared integer tiles (a 16-row
+// group is two ymm), the u8 x s8 dot products emulated by vpmaddwd or vpmaddubsw, bf16 helpers, and
+// the build's GEMMs, which entry.cpp puts in the kernel table.
 #pragma once
 
 #include <immintrin.h>
@@ -8,6 +9,17 @@
 
 KT_NAMESPACE_BEGIN
 namespace avx2 {
+
+void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_bf16.cpp
+void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
+void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
+
+// bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
+inline __m256 even_bf16(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 odd_bf16(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
 
 struct Vec {
   using Int = __m256i;
@@ -37,8 +49,8 @@ struct Vec {
 
 // Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'
 // matching values as int16: the exact u8 x s8 quad sum without saturation. The activation rows are
-// widened once per GEMM call (gemm_int.cpp) so that each quad's two int16 pairs are broadcast
-// straight from memory.
+// widened once per GEMM call (gemm_int.cpp, into Activations::scratch) so that each quad's two
+// int16 pairs are broadcast straight from memory.
 struct MaddwdDot {
   struct Weights {
     __m256i even, odd;

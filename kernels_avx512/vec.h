@@ -1,5 +1,6 @@
-// Shared by the AVX512 kernel files: which multiply path init_kernels() chose, and the helpers both
-// formats use.
+// What the AVX512 kernel files share (and the amx build, which runs them below its tile sizes):
+// the vector traits of the shared tiles, bf16 helpers, and the build's GEMMs, which paths.cpp puts
+// in the kernel table by what the CPU has.
 #pragma once
 
 // GCC 12 reports its own _mm512_undefined_*() as (maybe-)uninitialized: a header false positive.
@@ -10,36 +11,31 @@
 #include "gemm_tiles.h"
 
 KT_NAMESPACE_BEGIN
+namespace avx512 {
 
-// True when the CPU has AVX512_BF16 and KT_KERNEL_DISABLE_AVX512_BF16 does not forbid it.
-bool use_vdpbf16ps();
-// True when the CPU has AVX512_VNNI and KT_KERNEL_DISABLE_AVX512_VNNI does not forbid it.
-bool use_vpdpbusd();
+// The kernel table of this CPU: the AVX512_BF16 / AVX512_VNNI paths where CPUID reports them and
+// KT_KERNEL_DISABLE_AVX512_BF16=1 / KT_KERNEL_DISABLE_AVX512_VNNI=1 do not forbid them (the tests
+// cover both kinds of path on one machine). Chosen on the first call (init_kernels).
+const Kernels& paths();
+KernelInfo paths_info();
 
-// The AVX512 BF16 GEMM; gemm_bf16 of the avx512 build (bf16_entry.cpp), and of the amx build below
-// its tile threshold (kernels_amx/).
-void gemm_bf16_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-
-// All AVX512_BF16 code, in vdpbf16ps.cpp (the one file compiled with -mavx512bf16); called only
-// after CPUID reported AVX512_BF16.
-void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-double dpbf16_peak_probe(int64_t iterations);  // flops done
-
-// The AVX512 INT8 GEMM (gemm_int8 of the avx512 build; of the amx build below its tile threshold).
-void gemm_int8_avx512(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-// MXFP4 without VNNI (vpmaddubsw), in gemm_int.cpp.
+// Plain AVX512F / AVX512BW: gemm_bf16.cpp and gemm_int.cpp.
+void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 
-// All AVX512_VNNI code, in vpdpbusd.cpp (the one file compiled with -mavx512vnni); called only after
-// CPUID reported AVX512_VNNI.
+// All AVX512_BF16 code, in vdpbf16ps.cpp (the one file compiled with -mavx512bf16), and all
+// AVX512_VNNI code, in vpdpbusd.cpp (-mavx512vnni): called only after CPUID reported them.
+void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbusd_peak_probe(int64_t iterations);  // integer ops done
 
-namespace avx512 {
 
-// The vector traits of the integer tiles (src/core/int_tiles.h): one zmm = one 16-row group.
+// The vector traits of the integer tiles (kernels_common/int_tiles.h): one zmm = one 16-row group.
 struct Vec {
   using Int = __m512i;
   using Float = __m512;

@@ -1,0 +1,44 @@
+// The amx build's kernel interface (kernels.h): the AVX512 paths (kernels_avx512/paths.cpp) with
+// BF16 and INT8 replaced by the tile GEMMs, which fall back to those paths below their tile sizes.
+// MXFP4 and INT4 stay on AVX512 VNNI: each 32- to 128-input group's sum would have to leave the
+// tile to be scaled.
+#include <string>
+
+#include "kernels_avx512/vec.h"
+#include "tiles.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+Kernels with_tiles() {
+  Kernels table = avx512::paths();
+  table.bf16 = amx::gemm_bf16;
+  table.int8 = amx::gemm_int8;
+  return table;
+}
+
+}  // namespace
+
+const Kernels& kernels() {
+  static const Kernels table = with_tiles();
+  return table;
+}
+
+void init_kernels() { kernels(); }
+
+KernelInfo kernel_info() {
+  static const std::string bf16 =
+      std::string("amx_bf16 tiles (blocks of 32 rows, k % 32 == 0), else ") + avx512::paths_info().bf16_path;
+  static const std::string int8 =
+      std::string("INT8: amx_int8 tiles (blocks of 32 rows, k % 64 == 0), else ") + avx512::paths_info().int8_path;
+  KernelInfo info = avx512::paths_info();
+  info.isa = "amx";
+  info.bf16_path = bf16.c_str();
+  info.int8_path = int8.c_str();
+#ifdef KT_AMX_EMULATED
+  info.emulated_tile_products = amx::EmulatedTiles::products;
+#endif
+  return info;
+}
+
+KT_NAMESPACE_END

@@ -1,0 +1,18 @@
+// The avx2 build's kernel interface (kernels.h): one path per format, nothing to choose.
+#include "vec.h"
+
+KT_NAMESPACE_BEGIN
+
+const Kernels& kernels() {
+  static constexpr Kernels table = {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4};
+  return table;
+}
+
+void init_kernels() {}
+
+KernelInfo kernel_info() {
+  return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1 -> integers by vpshufb, int8 activations, vpmaddubsw)",
+          "avx2 (vpmaddwd / vpmaddubsw)"};
+}
+
+KT_NAMESPACE_END

@@ -1,0 +1,43 @@
+// The table of weight formats, in WeightFormat order.
+#include "formats.h"
+
+#include <stdexcept>
+
+KT_NAMESPACE_BEGIN
+
+extern const FormatTraits kBf16Format, kMxfp4Format, kInt8Format, kInt4Format;
+
+namespace {
+constexpr std::array<const FormatTraits*, kFormatCount> kFormats = {&kBf16Format, &kMxfp4Format, &kInt8Format,
+                                                                     &kInt4Format};
+}  // namespace
+
+const std::array<const FormatTraits*, kFormatCount>& all_formats() { return kFormats; }
+
+const FormatTraits& format_traits(WeightFormat format) { return *kFormats[size_t(format)]; }
+
+const FormatTraits& format_named(const std::string& name) {
+  std::string known;
+  for (const FormatTraits* format : kFormats) {
+    if (name == format->name) return *format;
+    known += (known.empty() ? "" : ", ") + std::string(format->name);
+  }
+  throw std::invalid_argument("the engine runs " + known + " weights, not " + name);
+}
+
+int scale_group_of(const FormatTraits& format, int k, size_t scales_per_row, const std::string& what) {
+  if (!format.has_scales()) {
+    if (scales_per_row != 0) throw std::invalid_argument(what + ": " + format.name + " takes no scales");
+    return 0;
+  }
+  std::string allowed;
+  for (int group : format.allowed_scale_groups()) {
+    if (group > 0 && k % group != 0) continue;
+    if (size_t(format.scales_per_row(k, group)) == scales_per_row) return group;
+    allowed += (allowed.empty() ? "" : ", ") + std::to_string(format.scales_per_row(k, group));
+  }
+  throw std::invalid_argument(what + ": " + format.name + " takes " + allowed + " scales per row of " +
+                              std::to_string(k) + " inputs, not " + std::to_string(scales_per_row));
+}
+
+KT_NAMESPACE_END

@@ -1,0 +1,87 @@
+// Weight formats: everything the engine, the bindings and the Python registry need to know about a
+// format is one FormatTraits entry, defined next to the format's packing code in formats/<name>.cpp
+// and listed once in formats.cpp. The packed layouts the kernels read are described in kernels.h.
+#pragma once
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+KT_NAMESPACE_BEGIN
+
+enum class WeightFormat { kBf16, kMxfp4, kInt8, kInt4 };
+constexpr int kFormatCount = 4;
+
+// How a format stores its scales in the canonical layout.
+enum class ScaleType { kNone, kE8M0, kFloat32 };
+
+// The activations a format's kernels read (Activations): bf16 rows, or rows quantized to int8
+// (QuantizedRows), optionally with each octet in the packed MXFP4 words' order (kernels.h).
+enum class ActivationKind { kBf16, kQuantized, kQuantizedOctetOrder };
+
+// Rows [row0, row0 + rows) and inputs [k0, k0 + cols) of one packed matrix, written as canonical
+// rows of `cols` inputs: row i at values + i * values_stride bytes and, for the formats with scales,
+// its scales at scales + i * scales_stride bytes. k0 and cols must keep scale groups whole.
+// Destinations need no alignment.
+struct UnpackRegion {
+  int row0 = 0, rows = 0, k0 = 0, cols = 0;
+  uint8_t* values = nullptr;
+  size_t values_stride = 0;
+  uint8_t* scales = nullptr;
+  size_t scales_stride = 0;
+};
+
+// A format's canonical (unpacked) layout of one matrix W[rows][k]: values [rows][k * value_bits / 8]
+// bytes (4-bit formats: the LOW nibble holds the even input), and scales [rows][scales per row] of
+// scale_type: one per row when the scale group is 0, else one per `scale group` inputs.
+struct FormatTraits {
+  WeightFormat id;
+  const char* name;  // the method name (Python's registry adds the aliases)
+  int value_bits;
+  ScaleType scale_type;
+  std::array<int, 3> scale_groups;  // the scale groups a checkpoint may use (0 = per row; unused = 0)
+  int k_multiple;                   // hidden and intermediate sizes must be multiples of this
+  int max_k;                        // ... and at most this
+  ActivationKind activations;
+  // Packed bytes of one 16-row group (kernels.h), of its values and of its scales.
+  size_t (*group_bytes)(int k);
+  size_t (*group_scale_bytes)(int k, int scale_group);
+  // Canonical matrix -> packed groups (zero rows pad the last group).
+  void (*pack)(const uint8_t* values, const uint8_t* scales, int rows, int k, int scale_group, uint8_t* packed,
+               uint8_t* packed_scales);
+  // The inverse of pack for a region; w: the whole matrix from its first group.
+  void (*unpack)(const PackedGroups& w, const UnpackRegion& region);
+  GemmFn Kernels::*gemm;  // this format's GEMM in the build's kernel table
+
+  bool has_scales() const { return scale_type != ScaleType::kNone; }
+  bool quantized_activations() const { return activations != ActivationKind::kBf16; }
+  size_t scale_bytes() const { return scale_type == ScaleType::kFloat32 ? 4 : scale_type == ScaleType::kE8M0 ? 1 : 0; }
+  size_t row_bytes(int k) const { return size_t(k) * value_bits / 8; }
+  int scales_per_row(int k, int scale_group) const {
+    return !has_scales() ? 0 : scale_group == 0 ? 1 : k / scale_group;
+  }
+  // The scale groups a checkpoint may use: {0} (one scale per row), group sizes, or none.
+  std::vector<int> allowed_scale_groups() const {
+    if (!has_scales()) return {};
+    if (scale_groups[0] == 0) return {0};
+    std::vector<int> groups;
+    for (int group : scale_groups)
+      if (group != 0) groups.push_back(group);
+    return groups;
+  }
+  // Inputs an unpacked region must keep together (a scale group; 1 without groups).
+  int unpack_block(int scale_group) const { return scale_group > 0 ? scale_group : 1; }
+};
+
+const FormatTraits& format_traits(WeightFormat format);
+// The format of a method name (exact, upper case); invalid_argument listing the known ones.
+const FormatTraits& format_named(const std::string& name);
+const std::array<const FormatTraits*, kFormatCount>& all_formats();
+
+// The scale group of a matrix of `format` with k inputs whose canonical scales hold `scales_per_row`
+// scales per row; invalid_argument naming `what` when the format takes no such scales.
+int scale_group_of(const FormatTraits& format, int k, size_t scales_per_row, const std::string& what);
+
+KT_NAMESPACE_END

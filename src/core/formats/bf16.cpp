@@ -1,0 +1,47 @@
+// BF16: the weights themselves (kernels.h: pairs of inputs of the 16 rows side by side), no scales.
+#include <cstring>
+
+#include "formats.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+size_t group_bytes(int k) { return size_t(round_up(k, 2)) * kGroupRows * sizeof(bf16_t); }
+size_t group_scale_bytes(int, int) { return 0; }
+
+void pack(const uint8_t* values, const uint8_t*, int rows, int k, int, uint8_t* packed, uint8_t*) {
+  const bf16_t* weights = reinterpret_cast<const bf16_t*>(values);
+  const int k_pairs = round_up(k, 2) / 2;
+  for (int g = 0; g < packed_groups(rows); ++g) {
+    bf16_t* group = reinterpret_cast<bf16_t*>(packed + g * group_bytes(k));
+    std::memset(group, 0, group_bytes(k));
+    for (int r = 0; r < kGroupRows && g * kGroupRows + r < rows; ++r) {
+      const bf16_t* row = weights + size_t(g * kGroupRows + r) * k;
+      for (int p = 0; p < k_pairs; ++p) {
+        group[(size_t(p) * kGroupRows + r) * 2] = row[2 * p];
+        if (2 * p + 1 < k) group[(size_t(p) * kGroupRows + r) * 2 + 1] = row[2 * p + 1];
+      }
+    }
+  }
+}
+
+void unpack(const PackedGroups& w, const UnpackRegion& region) {
+  for (int i = 0; i < region.rows; ++i) {
+    const int row = region.row0 + i, r = row % kGroupRows;
+    const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
+    uint8_t* dst = region.values + i * region.values_stride;
+    for (int c = 0; c < region.cols; ++c) {
+      const int k = region.k0 + c;  // pair k / 2 holds the 16 rows' two values side by side
+      std::memcpy(dst + c * sizeof(bf16_t), group + ((size_t(k / 2) * kGroupRows + r) * 2 + k % 2) * sizeof(bf16_t),
+                  sizeof(bf16_t));
+    }
+  }
+}
+
+}  // namespace
+
+extern const FormatTraits kBf16Format = {
+    WeightFormat::kBf16, "BF16", 16, ScaleType::kNone, {0, 0, 0}, 1, kMaxDimension, ActivationKind::kBf16,
+    group_bytes, group_scale_bytes, pack, unpack, &Kernels::bf16};
+
+KT_NAMESPACE_END

@@ -1,0 +1,49 @@
+// INT8: int8 weights, one float scale per row, stored as q + 128 (packed layout in kernels.h).
+#include <cstring>
+
+#include "formats.h"
+
+KT_NAMESPACE_BEGIN
+namespace {
+
+size_t group_bytes(int k) { return size_t(round_up(k, 4)) * kGroupRows; }
+size_t group_scale_bytes(int, int) { return kGroupRows * sizeof(float); }
+
+void pack(const uint8_t* values, const uint8_t* scale_bytes, int rows, int k, int, uint8_t* packed,
+          uint8_t* packed_scales) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(values);
+  const float* scales = reinterpret_cast<const float*>(scale_bytes);
+  for (int g = 0; g < packed_groups(rows); ++g) {
+    uint8_t* group = packed + g * group_bytes(k);
+    float* group_scales = reinterpret_cast<float*>(packed_scales + g * group_scale_bytes(k, 0));
+    std::memset(group, kInt8Offset, group_bytes(k));  // padding = weight 0
+    for (int r = 0; r < kGroupRows; ++r) {
+      const size_t row = size_t(g) * kGroupRows + r;
+      group_scales[r] = row < size_t(rows) ? scales[row] : 0.0f;
+      if (row >= size_t(rows)) continue;
+      for (int c = 0; c < k; ++c) group[(c / 4) * 64 + 4 * r + c % 4] = uint8_t(q[row * k + c] + kInt8Offset);
+    }
+  }
+}
+
+void unpack(const PackedGroups& w, const UnpackRegion& region) {
+  for (int i = 0; i < region.rows; ++i) {
+    const int row = region.row0 + i, r = row % kGroupRows;
+    const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
+    const uint8_t* group_scales = w.scales + size_t(row / kGroupRows) * w.group_scale_bytes;
+    uint8_t* dst = region.values + i * region.values_stride;
+    for (int c = 0; c < region.cols; ++c) {
+      const int k = region.k0 + c;
+      dst[c] = uint8_t(group[(k / 4) * 64 + 4 * r + k % 4] - kInt8Offset);  // stored as q + 128
+    }
+    std::memcpy(region.scales + i * region.scales_stride, group_scales + r * sizeof(float), sizeof(float));
+  }
+}
+
+}  // namespace
+
+extern const FormatTraits kInt8Format = {
+    WeightFormat::kInt8, "INT8", 8, ScaleType::kFloat32, {0, 0, 0}, 1, kInt8MaxK, ActivationKind::kQuantized,
+    group_bytes, group_scale_bytes, pack, unpack, &Kernels::int8};
+
+KT_NAMESPACE_END
