@@ -1,4 +1,4 @@
-// The table of weight formats, in WeightFormat order.
+// The table of weight formats: one line per format.
 #include "formats.h"
 
 #include <stdexcept>
@@ -7,18 +7,19 @@ KT_NAMESPACE_BEGIN
 
 extern const FormatTraits kBf16Format, kMxfp4Format, kInt8Format, kInt4Format;
 
-namespace {
-constexpr std::array<const FormatTraits*, kFormatCount> kFormats = {&kBf16Format, &kMxfp4Format, &kInt8Format,
-                                                                     &kInt4Format};
-}  // namespace
-
-const std::array<const FormatTraits*, kFormatCount>& all_formats() { return kFormats; }
-
-const FormatTraits& format_traits(WeightFormat format) { return *kFormats[size_t(format)]; }
+const std::vector<const FormatTraits*>& all_formats() {
+  static const std::vector<const FormatTraits*> formats = {
+      &kBf16Format,
+      &kMxfp4Format,
+      &kInt8Format,
+      &kInt4Format,
+  };
+  return formats;
+}
 
 const FormatTraits& format_named(const std::string& name) {
   std::string known;
-  for (const FormatTraits* format : kFormats) {
+  for (const FormatTraits* format : all_formats()) {
     if (name == format->name) return *format;
     known += (known.empty() ? "" : ", ") + std::string(format->name);
   }

@@ -1,6 +1,7 @@
 // Weight formats: everything the engine, the bindings and the Python registry need to know about a
 // format is one FormatTraits entry, defined next to the format's packing code in formats/<name>.cpp
 // and listed once in formats.cpp. The packed layouts the kernels read are described in kernels.h.
+// Nothing outside those files branches on the format.
 #pragma once
 
 #include <array>
@@ -10,9 +11,6 @@
 #include "kernels.h"
 
 KT_NAMESPACE_BEGIN
-
-enum class WeightFormat { kBf16, kMxfp4, kInt8, kInt4 };
-constexpr int kFormatCount = 4;
 
 // How a format stores its scales in the canonical layout.
 enum class ScaleType { kNone, kE8M0, kFloat32 };
@@ -36,13 +34,15 @@ struct UnpackRegion {
 // A format's canonical (unpacked) layout of one matrix W[rows][k]: values [rows][k * value_bits / 8]
 // bytes (4-bit formats: the LOW nibble holds the even input), and scales [rows][scales per row] of
 // scale_type: one per row when the scale group is 0, else one per `scale group` inputs.
+constexpr int kEndOfList = -1;
+
 struct FormatTraits {
-  WeightFormat id;
   const char* name;  // the method name (Python's registry adds the aliases)
   int value_bits;
   ScaleType scale_type;
-  std::array<int, 3> scale_groups;  // the scale groups a checkpoint may use (0 = per row; unused = 0)
-  int k_multiple;                   // hidden and intermediate sizes must be multiples of this
+  // The scale groups a checkpoint may use, up to kEndOfList: 0 = one scale per row, n = one per n inputs.
+  std::array<int, 4> scale_groups;
+  int k_multiple;  // hidden and intermediate sizes must be multiples of this
   int max_k;                        // ... and at most this
   ActivationKind activations;
   // Packed bytes of one 16-row group (kernels.h), of its values and of its scales.
@@ -62,23 +62,18 @@ struct FormatTraits {
   int scales_per_row(int k, int scale_group) const {
     return !has_scales() ? 0 : scale_group == 0 ? 1 : k / scale_group;
   }
-  // The scale groups a checkpoint may use: {0} (one scale per row), group sizes, or none.
   std::vector<int> allowed_scale_groups() const {
-    if (!has_scales()) return {};
-    if (scale_groups[0] == 0) return {0};
     std::vector<int> groups;
-    for (int group : scale_groups)
-      if (group != 0) groups.push_back(group);
+    for (size_t i = 0; i < scale_groups.size() && scale_groups[i] != kEndOfList; ++i) groups.push_back(scale_groups[i]);
     return groups;
   }
   // Inputs an unpacked region must keep together (a scale group; 1 without groups).
   int unpack_block(int scale_group) const { return scale_group > 0 ? scale_group : 1; }
 };
 
-const FormatTraits& format_traits(WeightFormat format);
 // The format of a method name (exact, upper case); invalid_argument listing the known ones.
 const FormatTraits& format_named(const std::string& name);
-const std::array<const FormatTraits*, kFormatCount>& all_formats();
+const std::vector<const FormatTraits*>& all_formats();
 
 // The scale group of a matrix of `format` with k inputs whose canonical scales hold `scales_per_row`
 // scales per row; invalid_argument naming `what` when the format takes no such scales.

@@ -5,8 +5,8 @@
 //
 // Adding a weight format:
 //   1. its packed layout and constants below, and a field in Kernels;
-//   2. src/core/formats/<name>.cpp: pack, unpack and the FormatTraits entry; one line in the
-//      WeightFormat enum and the table of src/core/formats.cpp;
+//   2. src/core/formats/<name>.cpp: pack, unpack and the FormatTraits entry, and one line in the
+//      table of src/core/formats.cpp;
 //   3. one GEMM per kernels directory (the shared tiles in kernels_common/ usually do the work),
 //      put in the table by its entry.cpp;
 //   4. one entry in the Python registry (src/kt_kernel/formats.py): names, canonical tensors,

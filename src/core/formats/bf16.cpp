@@ -41,7 +41,18 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
 }  // namespace
 
 extern const FormatTraits kBf16Format = {
-    WeightFormat::kBf16, "BF16", 16, ScaleType::kNone, {0, 0, 0}, 1, kMaxDimension, ActivationKind::kBf16,
-    group_bytes, group_scale_bytes, pack, unpack, &Kernels::bf16};
+    .name = "BF16",
+    .value_bits = 16,
+    .scale_type = ScaleType::kNone,
+    .scale_groups = {kEndOfList},
+    .k_multiple = 1,
+    .max_k = kMaxDimension,
+    .activations = ActivationKind::kBf16,
+    .group_bytes = group_bytes,
+    .group_scale_bytes = group_scale_bytes,
+    .pack = pack,
+    .unpack = unpack,
+    .gemm = &Kernels::bf16,
+};
 
 KT_NAMESPACE_END

@@ -58,7 +58,18 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
 }  // namespace
 
 extern const FormatTraits kInt4Format = {
-    WeightFormat::kInt4, "INT4", 4, ScaleType::kFloat32, {32, 64, 128}, 32, kMaxDimension,
-    ActivationKind::kQuantized, group_bytes, group_scale_bytes, pack, unpack, &Kernels::int4};
+    .name = "INT4",
+    .value_bits = 4,
+    .scale_type = ScaleType::kFloat32,
+    .scale_groups = {32, 64, 128, kEndOfList},
+    .k_multiple = 32,
+    .max_k = kMaxDimension,
+    .activations = ActivationKind::kQuantized,
+    .group_bytes = group_bytes,
+    .group_scale_bytes = group_scale_bytes,
+    .pack = pack,
+    .unpack = unpack,
+    .gemm = &Kernels::int4,
+};
 
 KT_NAMESPACE_END

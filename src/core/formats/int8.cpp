@@ -43,7 +43,18 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
 }  // namespace
 
 extern const FormatTraits kInt8Format = {
-    WeightFormat::kInt8, "INT8", 8, ScaleType::kFloat32, {0, 0, 0}, 1, kInt8MaxK, ActivationKind::kQuantized,
-    group_bytes, group_scale_bytes, pack, unpack, &Kernels::int8};
+    .name = "INT8",
+    .value_bits = 8,
+    .scale_type = ScaleType::kFloat32,
+    .scale_groups = {0, kEndOfList},
+    .k_multiple = 1,
+    .max_k = kInt8MaxK,
+    .activations = ActivationKind::kQuantized,
+    .group_bytes = group_bytes,
+    .group_scale_bytes = group_scale_bytes,
+    .pack = pack,
+    .unpack = unpack,
+    .gemm = &Kernels::int8,
+};
 
 KT_NAMESPACE_END

@@ -53,7 +53,18 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
 }  // namespace
 
 extern const FormatTraits kMxfp4Format = {
-    WeightFormat::kMxfp4, "MXFP4", 4, ScaleType::kE8M0, {kMxfp4Block, 0, 0}, kMxfp4Block, kMaxDimension,
-    ActivationKind::kQuantizedOctetOrder, group_bytes, group_scale_bytes, pack, unpack, &Kernels::mxfp4};
+    .name = "MXFP4",
+    .value_bits = 4,
+    .scale_type = ScaleType::kE8M0,
+    .scale_groups = {kMxfp4Block, kEndOfList},
+    .k_multiple = kMxfp4Block,
+    .max_k = kMaxDimension,
+    .activations = ActivationKind::kQuantizedOctetOrder,
+    .group_bytes = group_bytes,
+    .group_scale_bytes = group_scale_bytes,
+    .pack = pack,
+    .unpack = unpack,
+    .gemm = &Kernels::mxfp4,
+};
 
 KT_NAMESPACE_END
