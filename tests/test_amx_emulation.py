@@ -116,7 +116,9 @@ def test_tiles_within_half_a_percent_on_outlier_activations(emulated, method):
 
     def forward(load, x, ids, topk_weights):
         layer = emulated.MoESubpools(8, 2, 256, method, emulated.WorkerPools([2], [[]]), [128], [])
-        scales = [s[..., None].contiguous() for s in load["scales"].values()] if load["scales"] else [None] * 3
+        scales = (
+            [s[..., None].contiguous() for s in load["scales"].values()] if load["scales"] else [None] * 3
+        )
         tensors = [t for pair in zip(load["tensors"], scales, strict=True) for t in pair]
         layer.engine(0).load(*tensors, torch.arange(8))
         out = torch.empty(x.shape, dtype=torch.bfloat16)

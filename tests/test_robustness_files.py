@@ -348,10 +348,10 @@ def test_stale_temporary_files_of_dead_runs_only_are_removed(tmp_path, model):
 # long enough to be killed mid-layer, or to overlap with another run.
 SLOW_CONVERT = """
 import sys, time
-from kt_kernel import quant
+from kt_kernel import formats
 from kt_kernel.__main__ import main
-real = quant.quantize
-quant.quantize = lambda *args, **kwargs: time.sleep(0.02) or real(*args, **kwargs)
+real = formats.WeightFormat.quantize
+formats.WeightFormat.quantize = lambda *args, **kwargs: time.sleep(0.02) or real(*args, **kwargs)
 sys.exit(main(sys.argv[1:]))
 """
 LAYERS = 8

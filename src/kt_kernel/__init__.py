@@ -7,6 +7,7 @@ explains the choice, ``python -m kt_kernel info`` prints it.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from . import quant as quant  # kt_kernel.quant after a bare `import kt_kernel`
 from ._native import build as _build
 from .experts import KTMoEWrapper
 from .info import cpu_info

@@ -14,11 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--json", action="store_true", help="print cpu_info() as JSON")
     bench = commands.add_parser("bench", help="time the standard MoE workload (see docs/performance.md)")
     from kt_kernel.bench import add_arguments
+    from kt_kernel.formats import FORMATS
 
     add_arguments(bench)
     convert = commands.add_parser(
         "convert",
-        help="convert a checkpoint's routed experts to int4, int8, mxfp4 or bf16 (see docs/converting.md)",
+        help=f"convert a checkpoint's routed experts to {'|'.join(FORMATS).lower()} (see docs/converting.md)",
     )
     from kt_kernel.convert import add_arguments as add_convert_arguments
 

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+from . import formats
+
 #: name -> (experts E, top-k K, hidden H, intermediate I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
     "qwen3-30b": (128, 8, 2048, 768),
@@ -38,12 +40,7 @@ DEFAULT_SHAPES = ("qwen3-30b", "dsv3-32e")
 TOKENS = (1, 8, 64, 512)
 MODEL_TOKENS = (1, 8, 512)
 MODEL_LAYERS = 48  # Qwen3-30B-A3B's MoE layers
-#: bytes per weight, scales included (int4: fp32 scale per 128, the group quantize-on-load picks for
-#: every shape here; int8: fp32 scale per row, negligible)
-WEIGHT_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 128, "mxfp4": 0.5 + 1 / 32}
-DECODE_MAX_TOKENS = 8
-#: The PyTorch baseline of a format where it is not the format itself: torch has no MXFP4 kernel.
-TORCH_FORMAT = {"mxfp4": "bf16"}  # rows up to here report bandwidth, larger ones FLOP/s
+DECODE_MAX_TOKENS = 8  # rows up to here report bandwidth, larger ones FLOP/s
 
 
 @dataclass
@@ -131,31 +128,33 @@ def torch_moe(x, ids, weights, linear, gate, up, down):
     return out.to(torch.bfloat16)
 
 
-def torch_baseline(fmt: str, gate, up, down):
-    """The PyTorch call for a format: (linear, gate, up, down) with weights in torch's own layout."""
-    import torch
+def _torch_bf16(gate, up, down):
     import torch.nn.functional as F
 
-    from kt_kernel import quant
+    return F.linear, gate, up, down
 
-    if fmt in ("bf16", "mxfp4"):
-        return F.linear, gate, up, down
-    if fmt == "int8":
 
-        def int8_weights(w):
-            q, s = quant.quantize("INT8", w)
-            return q, s.to(torch.bfloat16)
+def _torch_int8(gate, up, down):
+    import torch
 
-        def int8_linear(x, w):
-            return torch._weight_int8pack_mm(x, *w)
+    def int8_weights(w):
+        q, s = formats.INT8.quantize(w)
+        return q, s.to(torch.bfloat16)
 
-        return (int8_linear, *([int8_weights(e) for e in proj] for proj in (gate, up, down)))
+    def int8_linear(x, w):
+        return torch._weight_int8pack_mm(x, *w)
 
-    group = quant.DEFAULT_INT4_GROUP_SIZE
+    return (int8_linear, *([int8_weights(e) for e in proj] for proj in (gate, up, down)))
+
+
+def _torch_int4(gate, up, down):
+    import torch
+
+    group = max(formats.INT4.scale_groups)  # the group quantize-on-load picks for every shape here
 
     def int4_weights(w):  # torch's int4 is unsigned with w = (q - 8) * scale + zero
-        values, scales = quant.quantize("INT4", w, group_size=group)
-        q = quant.dequantize("INT4", values, torch.ones_like(scales)).round().to(torch.int32) + 8
+        values, scales = formats.INT4.quantize(w, group_size=group)
+        q = formats.INT4.dequantize(values, torch.ones_like(scales)).round().to(torch.int32) + 8
         scale_zero = torch.stack([scales.T, torch.zeros_like(scales.T)], dim=-1).to(torch.bfloat16)
         return torch._convert_weight_to_int4pack_for_cpu(q, 2), scale_zero.contiguous()
 
@@ -163,6 +162,22 @@ def torch_baseline(fmt: str, gate, up, down):
         return torch._weight_int4pack_mm_for_cpu(x, w[0], group, w[1])
 
     return (int4_linear, *([int4_weights(e) for e in proj] for proj in (gate, up, down)))
+
+
+#: PyTorch's own call per format, (linear, gate, up, down) with weights in torch's layout.
+TORCH_BASELINES = {"bf16": _torch_bf16, "int8": _torch_int8, "int4": _torch_int4}
+
+
+def torch_format(fmt: str) -> str:
+    """The PyTorch baseline of a format: itself where torch has a kernel for it, else bf16 (MXFP4)."""
+    return fmt if fmt in TORCH_BASELINES else "bf16"
+
+
+def weight_bytes(fmt: str) -> float:
+    """Bytes per weight, scales included: group scales at the largest group (the one quantize-on-load
+    picks for every shape here), a scale per row counted as negligible."""
+    f = formats.get(fmt)
+    return f.value_bits / 8 + (f.scale_bytes / max(f.scale_groups) if f.group_scales else 0)
 
 
 def time_calls(call, inputs, budget_s: float, min_calls: int, max_calls: int, warmup: int) -> list[float]:
@@ -234,16 +249,19 @@ def run_worker(args: argparse.Namespace) -> dict:
     uses_dpbf16 = "vdpbf16ps" in kernels["bf16_path"]
     uses_dpint8 = "vpdpbusd" in kernels["int8_path"]
     # The peak each format's kernel is measured against: its multiply instruction, fp32 FMA where it
-    # has none of its own (the issue's yardstick for the AVX2 build).
-    integer_op = "dpint8" if uses_dpint8 else "fma_f32"  # MXFP4, INT8, INT4: int8 activations
-    peak_ops = {"bf16": "dpbf16" if uses_dpbf16 else "fma_f32", "mxfp4": integer_op, "int8": integer_op,
-                "int4": integer_op}  # fmt: skip
+    # has none of its own (the yardstick for the AVX2 build). Formats that quantize activations
+    # multiply int8, the others bf16.
+    bf16_op, int8_op = "dpbf16" if uses_dpbf16 else "fma_f32", "dpint8" if uses_dpint8 else "fma_f32"
+    peak_ops = {f: int8_op if formats.get(f).quantized_activations else bf16_op for f in args.format}
     label = build_label(kernels)
     rows: list[Row] = []
-    baselines = sorted({TORCH_FORMAT.get(f, f) for f in args.format}) if args.torch else []
+    baselines = sorted({torch_format(f) for f in args.format}) if args.torch else []
     # The int8-activation mode exists for the formats that multiply in integers (all but bf16).
     runs = [
-        (f, mode) for f in args.format for mode in args.activations if not (f == "bf16" and mode == "int8")
+        (f, mode)
+        for f in args.format
+        for mode in args.activations
+        if mode != "int8" or formats.get(f).quantized_activations
     ]
     steps = len(args.shape) * (len(runs) + len(baselines)) * len(args.tokens)
     step = 0
@@ -272,7 +290,7 @@ def run_worker(args: argparse.Namespace) -> dict:
                 touched = statistics.mean(int(ids.unique().numel()) for _, ids, _ in inputs)
                 median = statistics.median(times)
                 deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
-                gbps = touched * 3 * hidden * inter * WEIGHT_BYTES[fmt] / median / 1e9
+                gbps = touched * 3 * hidden * inter * weight_bytes(fmt) / median / 1e9
                 tflops = 2 * 3 * hidden * inter * tokens * top_k / median / 1e12
                 shape_rows.append(
                     Row(
@@ -288,18 +306,18 @@ def run_worker(args: argparse.Namespace) -> dict:
             del moe
         # PyTorch after the engine's rows (its OpenMP threads keep spinning after each call and would
         # take cores from the engine), once per token count and torch format: the same calls.
-        for torch_format in baselines:
-            linear, *weights = torch_baseline(torch_format, gate, up, down)
+        for baseline_format in baselines:
+            linear, *weights = TORCH_BASELINES[baseline_format](gate, up, down)
             baseline = partial(torch_moe, linear=linear, gate=weights[0], up=weights[1], down=weights[2])
             for tokens in args.tokens:
-                progress(step, steps, f"{label} {shape} torch {torch_format} T={tokens}")
+                progress(step, steps, f"{label} {shape} torch {baseline_format} T={tokens}")
                 step += 1
                 inputs = call_inputs(shape, tokens, args.calls + 2)
                 median = statistics.median(
                     time_calls(baseline, inputs, args.row_seconds, min(5, args.calls), args.calls, warmup=1)
                 )
                 for row in shape_rows:
-                    if row.tokens == tokens and torch_format == TORCH_FORMAT.get(row.format, row.format):
+                    if row.tokens == tokens and baseline_format == torch_format(row.format):
                         row.torch_median_ms, row.speedup_vs_torch = median * 1e3, median * 1e3 / row.median_ms
             del baseline, weights
         rows += shape_rows
@@ -313,7 +331,7 @@ def run_worker(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------------------------------------
 def weight_set_bytes(shape: str, fmt: str) -> float:
     experts, _, hidden, inter = SHAPES[shape]
-    return experts * 3 * hidden * inter * WEIGHT_BYTES[fmt]
+    return experts * 3 * hidden * inter * weight_bytes(fmt)
 
 
 def mem_available() -> int:
@@ -333,30 +351,24 @@ def default_weight_sets(shape: str, fmt: str, layers: int) -> int:
 def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
     """Random weights already in the format's canonical layout, as load_weights_from_tensors takes
     them: quantizing on load takes tens of seconds per qwen3-30b layer in int4, and the timing does
-    not depend on the values (the scales keep outputs at a sane magnitude all the same)."""
+    not depend on the values. Random value bytes; every row gets the scales of one row of weights
+    at the usual 1/sqrt(fan-in) scale quantized, so outputs stay at a sane magnitude all the same."""
     import torch
 
-    from kt_kernel import quant
-
-    if fmt == "bf16":
+    f = formats.get(fmt)
+    if not f.scale_groups:  # the float weights are the format's values
         gate, up, down = random_weights(shape, seed)
         return {"gate_proj": gate, "up_proj": up, "down_proj": down}
     experts, _, hidden, inter = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
-        if fmt == "int8":
-            values = torch.randint(-127, 128, (experts, rows, k), dtype=torch.int8, generator=gen)
-            scale = torch.full((experts, rows), (3 / k) ** 0.5 / 127)
-        elif fmt == "int4":  # two codes per byte, one fp32 scale per group (128 inputs for every shape here)
-            values = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
-            scale = torch.full((experts, rows, k // quant.int4_group_size(k)), (3 / k) ** 0.5 / 7)
-        else:  # mxfp4: E2M1 codes, E8M0 scale 2^-6 per block of 32
-            values = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
-            scale = torch.full(
-                (experts, rows, k // quant.MXFP4_BLOCK), quant.E8M0_BIAS - 6, dtype=torch.uint8
-            )
-        tensors[f"{name}_proj"], tensors[f"{name}_scale"] = values, scale
+        values = torch.randint(
+            0, 256, (experts, rows, f.canonical_bytes(k)), dtype=torch.uint8, generator=gen
+        )
+        _, scale = f.quantize(torch.empty(1, k).uniform_(-1, 1, generator=gen) * (3 / k) ** 0.5)
+        tensors[f"{name}_proj"] = values.view(f.value_dtypes[0])
+        tensors[f"{name}_scale"] = scale.expand(experts, rows, *scale.shape[1:]).contiguous()
     return tensors
 
 
@@ -498,7 +510,7 @@ def run_model_worker(args: argparse.Namespace) -> dict:
             median = statistics.median(inside)
             deciles = statistics.quantiles(inside, n=10) if len(inside) > 1 else [median] * 9
             layer_s = median / args.layers
-            layer_gbps = statistics.mean(touched) * 3 * hidden * inter * WEIGHT_BYTES[fmt] / layer_s / 1e9
+            layer_gbps = statistics.mean(touched) * 3 * hidden * inter * weight_bytes(fmt) / layer_s / 1e9
             rows.append(
                 ModelRow(
                     variant=label, shape=shape, format=fmt, tokens=tokens, layers=args.layers,
@@ -630,13 +642,11 @@ def _bounded(kind: type, text: str, minimum: float):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kt_kernel.experts import IMPLEMENTED_FORMATS
-
-    formats = [f.lower() for f in IMPLEMENTED_FORMATS]
+    choices = [name.lower() for name in formats.FORMATS]
     parser.add_argument(
         "--shape", nargs="+", choices=list(SHAPES), help=f"default: {' '.join(DEFAULT_SHAPES)}"
     )
-    parser.add_argument("--format", nargs="+", choices=formats, default=formats)
+    parser.add_argument("--format", nargs="+", choices=choices, default=choices)
     parser.add_argument(
         "--tokens", nargs="+", type=int,
         help=f"default: {' '.join(map(str, TOKENS))} ({' '.join(map(str, MODEL_TOKENS))} with --model)",

@@ -11,15 +11,20 @@ file is refused unopened: a bad file is a CheckpointError naming it, never a han
 Converted layout (written by ``kt-kernel convert``, see kt_kernel.convert): a directory with
 ``kt_manifest.json`` and one ``layer_{L:03d}.safetensors`` per layer holding
 ``blk.{L}.ffn_{gate,up,down}_exps.{weight,scale}`` in the format's canonical layout.
+
+Hugging Face source checkpoints (what ``kt-kernel convert`` reads): ExpertSource finds the routed
+experts by one of NAMINGS and reads them one expert at a time, FP8 block-scaled weights dequantized.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
-from collections.abc import Callable
-from contextlib import ExitStack
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,9 +32,11 @@ from typing import Any, BinaryIO
 import torch
 from safetensors import safe_open
 
-from . import quant
+from . import formats
 
 V4_FLASH_PROJECTIONS = {"gate": "w1", "up": "w3", "down": "w2"}
+#: The format DeepSeek-V4-Flash ships its routed experts in: loaded without conversion.
+V4_FLASH_FORMAT = "MXFP4"
 MANIFEST_NAME = "kt_manifest.json"
 PROJECTIONS = ("gate", "up", "down")
 
@@ -343,15 +350,15 @@ def read_converted_layer(
     KTMoEWrapper.load_weights_from_tensors. ValueError when ``method`` means another format than
     the checkpoint holds; CheckpointError for a missing layer, too few experts or a bad file.
     """
-    fmt = quant.weight_format(method)
+    fmt = formats.get(method)
     manifest = read_manifest(path)
     if manifest is None:
         raise CheckpointError(f"{path} holds no {MANIFEST_NAME}: not a converted checkpoint")
     held = manifest.get("format")
-    if held != fmt:
+    if held != fmt.name:
         raise ValueError(
-            f"{path} holds {held} weights, but method {method!r} needs {fmt}; "
-            f"convert again with --format {fmt.lower()} or pass method={held!r}"
+            f"{path} holds {held} weights, but method {method!r} needs {fmt.name}; "
+            f"convert again with --format {fmt.name.lower()} or pass method={held!r}"
         )
     entry = manifest["layers"].get(str(layer))
     if entry is None:
@@ -361,12 +368,12 @@ def read_converted_layer(
         raise CheckpointError(f"layer {layer} of {path} has {entry['experts']} experts, {num_experts} asked")
     file = Path(path) / entry["file"]
     header = read_safetensors_header(file)
-    if header.metadata.get("format") != fmt:
-        raise CheckpointError(f"{file}: holds {header.metadata.get('format')} weights, not {fmt}")
+    if header.metadata.get("format") != fmt.name:
+        raise CheckpointError(f"{file}: holds {header.metadata.get('format')} weights, not {fmt.name}")
     names = {
-        projection + suffix: converted_tensor_name(layer, projection, kind)
+        projection + ("" if kind == "weight" else f"_{kind}"): converted_tensor_name(layer, projection, kind)
         for projection in PROJECTIONS
-        for kind, suffix in ({"weight": ""} if fmt == "BF16" else {"weight": "", "scale": "_scale"}).items()
+        for kind in fmt.tensor_kinds
     }
     for name in names.values():
         shape = header.tensors[name][1] if name in header.tensors else None
@@ -379,3 +386,192 @@ def read_converted_layer(
             return {out: f.get_slice(name)[:num_experts] for out, name in names.items()}
     except Exception as error:  # safetensors and torch raise assorted types for bad data
         raise CheckpointError(f"{file}: cannot read layer {layer} ({error})") from error
+
+
+def read_layer(path: str | Path, layer: int, num_experts: int, method: str) -> dict[str, torch.Tensor]:
+    """Experts 0..num_experts-1 of one layer of a checkpoint directory, as the keyword arguments of
+    KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the method's format, or one
+    in the DeepSeek-V4-Flash layout for its format. NotImplementedError for any other checkpoint."""
+    if read_manifest(path) is not None:
+        return read_converted_layer(path, layer, num_experts, method)
+    fmt = formats.get(method)
+    if fmt.name == V4_FLASH_FORMAT:
+        return read_v4_flash_experts(path, layer, num_experts)
+    raise NotImplementedError(
+        f"{path} holds no {MANIFEST_NAME}; convert it first with "
+        f"`kt-kernel convert {path} OUTPUT_DIR --format {fmt.name.lower()}`"
+    )
+
+
+# ---- Hugging Face source checkpoints (read by kt-kernel convert) ---------------------------------
+FP8_BLOCK = 128
+_FLOAT_DTYPES = ("BF16", "F16", "F32")
+_FP8_DTYPE = "F8_E4M3"
+_PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a checkpoint names its experts; ``keys`` are gate, up, down key templates."""
+
+    name: str
+    pattern: re.Pattern[str]
+    keys: tuple[str, str, str]
+    fused: bool = False
+
+
+_PER_EXPERT = "{prefix}layers.{layer}.%s.experts.{expert}.%s.weight"
+_FUSED = "{prefix}layers.{layer}.mlp.experts.%s"
+NAMINGS = (
+    Naming(
+        "mlp.experts.{e}.{gate,up,down}_proj",
+        re.compile(_PREFIX + r"mlp\.experts\.(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight$"),
+        tuple(_PER_EXPERT % ("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")),
+    ),
+    Naming(
+        "block_sparse_moe.experts.{e}.{w1,w3,w2}",
+        re.compile(_PREFIX + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w[123]\.weight$"),
+        tuple(_PER_EXPERT % ("block_sparse_moe", p) for p in ("w1", "w3", "w2")),
+    ),
+    Naming(
+        "mlp.experts.{gate_up_proj,down_proj} (fused)",
+        re.compile(_PREFIX + r"mlp\.experts\.(?:gate_up_proj|down_proj)$"),
+        (_FUSED % "gate_up_proj", _FUSED % "gate_up_proj", _FUSED % "down_proj"),
+        fused=True,
+    ),
+)
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """One layer's routed experts: E experts, gate/up [I, H], down [H, I]; dtypes as stored."""
+
+    index: int
+    experts: int
+    hidden: int
+    intermediate: int
+    dtypes: frozenset[str]
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK):
+    """FP8 ``[N, K]`` times one fp32 scale per ``block x block`` tile (``[ceil(N/b), ceil(K/b)]``),
+    as float32: DeepSeek's ``weight_scale_inv`` is a multiplier despite its name."""
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
+    return weight.float() * scale
+
+
+class ExpertSource:
+    """The routed experts of a checkpoint, found by name and read one expert at a time."""
+
+    def __init__(self, path: Path, files: dict[str, Path]) -> None:
+        self.path, self.files = path, files
+        self.naming, self.prefix, self.experts = self._detect(files)
+        self.reader: TensorReader
+
+    @contextmanager
+    def opened(self) -> Iterator[ExpertSource]:
+        """Read inside this only. Files are memory-mapped while open and the pages read count in
+        the process's RSS until they are closed: opening them per layer keeps that to one layer."""
+        with ExitStack() as stack:
+            self.reader = TensorReader(self.files, stack)
+            yield self
+
+    def _detect(self, keys: Iterable[str]) -> tuple[Naming, str, dict[int, int]]:
+        groups: dict[tuple[Naming, str], dict[int, int]] = {}
+        for key in keys:
+            if ".experts." not in key:
+                continue
+            for naming in NAMINGS:
+                match = naming.pattern.match(key)
+                if match:
+                    layers = groups.setdefault((naming, match["prefix"]), {})
+                    count = 0 if naming.fused else int(match["expert"]) + 1  # fused: from the shape
+                    layers[int(match["layer"])] = max(layers.get(int(match["layer"]), 0), count)
+        if not groups:
+            known = "; ".join(n.keys[0].format(prefix="", layer="L", expert="e") for n in NAMINGS)
+            raise CheckpointError(f"no routed-expert tensors found in {self.path} (looked for: {known})")
+        # A model may hold a few more MoE layers elsewhere (e.g. "mtp.layers.0..."): take the main stack.
+        ranked = sorted(groups.items(), key=lambda item: -len(item[1]))
+        if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
+            found = ", ".join(f"{prefix}layers.* ({naming.name})" for (naming, prefix), _ in ranked)
+            raise CheckpointError(f"{self.path}: routed experts under several names, cannot choose: {found}")
+        for (_, prefix), layers in ranked[1:]:
+            print(f"[convert] ignoring {len(layers)} layers under {prefix}layers.*", file=sys.stderr)
+        (naming, prefix), layers = ranked[0]
+        return naming, prefix, layers
+
+    def key(self, projection: int, layer: int, expert: int) -> str:
+        return self.naming.keys[projection].format(prefix=self.prefix, layer=layer, expert=expert)
+
+    def describe_weight(self, projection: int, layer: int, expert: int) -> str:
+        """The checkpoint key of one expert's weight, for messages (fused: which part of it)."""
+        key = repr(self.key(projection, layer, expert))
+        return f"{key} (expert {expert}, {PROJECTIONS[projection]})" if self.naming.fused else key
+
+    def describe(self, layer: int) -> MoELayer:
+        """Check that every expert tensor of the layer exists with consistent shapes (headers only)."""
+        if self.naming.fused:
+            return self._describe_fused(layer)
+        dtypes, shapes = set(), {}
+        for expert in range(self.experts[layer]):
+            for projection in range(3):
+                key = self.key(projection, layer, expert)
+                dtype, shape = self._checked_header(key)
+                dtypes.add(dtype)
+                expected = shapes.setdefault(projection, shape)
+                if shape != expected:
+                    raise CheckpointError(f"tensor {key!r} has shape {shape}, expert 0 has {expected}")
+        (inter, hidden), down = shapes[0], shapes[2]
+        if shapes[1] != [inter, hidden] or down != [hidden, inter]:
+            raise CheckpointError(
+                f"layer {layer}: gate {shapes[0]}, up {shapes[1]}, down {down} are not [I, H], [I, H], [H, I]"
+            )
+        return MoELayer(layer, self.experts[layer], hidden, inter, frozenset(dtypes))
+
+    def _describe_fused(self, layer: int) -> MoELayer:
+        gate_up_dtype, gate_up = self.reader.header(self.key(0, layer, 0))
+        down_dtype, down = self.reader.header(self.key(2, layer, 0))
+        if gate_up_dtype not in _FLOAT_DTYPES or down_dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(  # no FP8 scale layout for fused experts is known to us
+                f"layer {layer}: fused experts must be BF16, F16 or F32, got {gate_up_dtype}, {down_dtype}"
+            )
+        ok = len(gate_up) == len(down) == 3 and gate_up[0] == down[0]
+        if not ok or gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
+            raise CheckpointError(
+                f"layer {layer}: fused gate_up_proj {gate_up} and down_proj {down} are not "
+                "[E, 2I, H] and [E, H, I]"
+            )
+        self.experts[layer] = gate_up[0]
+        return MoELayer(layer, gate_up[0], down[1], down[2], frozenset({gate_up_dtype, down_dtype}))
+
+    def _checked_header(self, key: str) -> tuple[str, list[int]]:
+        dtype, shape = self.reader.header(key)
+        if dtype == _FP8_DTYPE:
+            scale_key = key + "_scale_inv"
+            blocks = [-(-size // FP8_BLOCK) for size in shape]
+            scale_shape = self.reader.header(scale_key)[1]
+            if scale_shape != blocks:
+                raise CheckpointError(
+                    f"tensor {scale_key!r} has shape {scale_shape}, expected {blocks} "
+                    f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} block of {key!r} {shape})"
+                )
+        elif dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"tensor {key!r} has dtype {dtype}; expected BF16, F16, F32 or F8_E4M3")
+        if len(shape) != 2:
+            raise CheckpointError(f"tensor {key!r} has shape {shape}, expected 2-D")
+        return dtype, shape
+
+    def read_expert(self, layer: MoELayer, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate [I, H], up [I, H], down [H, I] of one expert, in the source's precision (FP8 dequantized)."""
+        if self.naming.fused:
+            gate_up = self.reader.read(self.key(0, layer.index, 0), expert)
+            down = self.reader.read(self.key(2, layer.index, 0), expert)
+            return gate_up[: layer.intermediate], gate_up[layer.intermediate :], down
+        return tuple(self._read_weight(self.key(p, layer.index, expert)) for p in range(3))
+
+    def _read_weight(self, key: str) -> torch.Tensor:
+        weight = self.reader.read(key)
+        if weight.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8_blocks(weight, self.reader.read(key + "_scale_inv"))
+        return weight

@@ -35,207 +35,39 @@ import argparse
 import fcntl
 import itertools
 import json
+import math
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
-from . import __version__, quant
+from . import __version__, formats
 from .checkpoint import (
     MANIFEST_NAME,
     PROJECTIONS,
     CheckpointError,
-    TensorReader,
+    ExpertSource,
+    MoELayer,
     converted_file_name,
     converted_tensor_name,
     index_checkpoint,
     read_manifest,
     read_safetensors_header,
 )
+from .checkpoint import dequantize_fp8_blocks as dequantize_fp8_blocks  # also kt_kernel.convert's name
+from .formats import WeightFormat
 
-FP8_BLOCK = 128
-_FLOAT_DTYPES = ("BF16", "F16", "F32")
-_FP8_DTYPE = "F8_E4M3"
-_PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
 LOCK_NAME = ".kt_manifest.lock"
 _TEMPORARY = re.compile(r"^\.(?:layer_\d+\.safetensors|kt_manifest\.json)\.(?P<pid>\d+)\.tmp$")
 _SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.int8: "I8", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Naming:
-    """How a checkpoint names its experts; ``keys`` are gate, up, down key templates."""
-
-    name: str
-    pattern: re.Pattern[str]
-    keys: tuple[str, str, str]
-    fused: bool = False
-
-
-_PER_EXPERT = "{prefix}layers.{layer}.%s.experts.{expert}.%s.weight"
-_FUSED = "{prefix}layers.{layer}.mlp.experts.%s"
-NAMINGS = (
-    Naming(
-        "mlp.experts.{e}.{gate,up,down}_proj",
-        re.compile(_PREFIX + r"mlp\.experts\.(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight$"),
-        tuple(_PER_EXPERT % ("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")),
-    ),
-    Naming(
-        "block_sparse_moe.experts.{e}.{w1,w3,w2}",
-        re.compile(_PREFIX + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w[123]\.weight$"),
-        tuple(_PER_EXPERT % ("block_sparse_moe", p) for p in ("w1", "w3", "w2")),
-    ),
-    Naming(
-        "mlp.experts.{gate_up_proj,down_proj} (fused)",
-        re.compile(_PREFIX + r"mlp\.experts\.(?:gate_up_proj|down_proj)$"),
-        (_FUSED % "gate_up_proj", _FUSED % "gate_up_proj", _FUSED % "down_proj"),
-        fused=True,
-    ),
-)
-
-
-@dataclass(frozen=True)
-class MoELayer:
-    """One layer's routed experts: E experts, gate/up [I, H], down [H, I]; dtypes as stored."""
-
-    index: int
-    experts: int
-    hidden: int
-    intermediate: int
-    dtypes: frozenset[str]
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK):
-    """FP8 ``[N, K]`` times one fp32 scale per ``block x block`` tile (``[ceil(N/b), ceil(K/b)]``),
-    as float32: DeepSeek's ``weight_scale_inv`` is a multiplier despite its name."""
-    n, k = weight.shape
-    scale = scale_inv.float().repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
-    return weight.float() * scale
-
-
-class ExpertSource:
-    """The routed experts of a checkpoint, found by name and read one expert at a time."""
-
-    def __init__(self, path: Path, files: dict[str, Path]) -> None:
-        self.path, self.files = path, files
-        self.naming, self.prefix, self.experts = self._detect(files)
-        self.reader: TensorReader
-
-    @contextmanager
-    def opened(self) -> Iterator[ExpertSource]:
-        """Read inside this only. Files are memory-mapped while open and the pages read count in
-        the process's RSS until they are closed: opening them per layer keeps that to one layer."""
-        with ExitStack() as stack:
-            self.reader = TensorReader(self.files, stack)
-            yield self
-
-    def _detect(self, keys: Iterable[str]) -> tuple[Naming, str, dict[int, int]]:
-        groups: dict[tuple[Naming, str], dict[int, int]] = {}
-        for key in keys:
-            if ".experts." not in key:
-                continue
-            for naming in NAMINGS:
-                match = naming.pattern.match(key)
-                if match:
-                    layers = groups.setdefault((naming, match["prefix"]), {})
-                    count = 0 if naming.fused else int(match["expert"]) + 1  # fused: from the shape
-                    layers[int(match["layer"])] = max(layers.get(int(match["layer"]), 0), count)
-        if not groups:
-            known = "; ".join(n.keys[0].format(prefix="", layer="L", expert="e") for n in NAMINGS)
-            raise CheckpointError(f"no routed-expert tensors found in {self.path} (looked for: {known})")
-        # A model may hold a few more MoE layers elsewhere (e.g. "mtp.layers.0..."): take the main stack.
-        ranked = sorted(groups.items(), key=lambda item: -len(item[1]))
-        if len(ranked) > 1 and len(ranked[0][1]) == len(ranked[1][1]):
-            found = ", ".join(f"{prefix}layers.* ({naming.name})" for (naming, prefix), _ in ranked)
-            raise CheckpointError(f"{self.path}: routed experts under several names, cannot choose: {found}")
-        for (_, prefix), layers in ranked[1:]:
-            print(f"[convert] ignoring {len(layers)} layers under {prefix}layers.*", file=sys.stderr)
-        (naming, prefix), layers = ranked[0]
-        return naming, prefix, layers
-
-    def key(self, projection: int, layer: int, expert: int) -> str:
-        return self.naming.keys[projection].format(prefix=self.prefix, layer=layer, expert=expert)
-
-    def describe_weight(self, projection: int, layer: int, expert: int) -> str:
-        """The checkpoint key of one expert's weight, for messages (fused: which part of it)."""
-        key = repr(self.key(projection, layer, expert))
-        return f"{key} (expert {expert}, {PROJECTIONS[projection]})" if self.naming.fused else key
-
-    def describe(self, layer: int) -> MoELayer:
-        """Check that every expert tensor of the layer exists with consistent shapes (headers only)."""
-        if self.naming.fused:
-            return self._describe_fused(layer)
-        dtypes, shapes = set(), {}
-        for expert in range(self.experts[layer]):
-            for projection in range(3):
-                key = self.key(projection, layer, expert)
-                dtype, shape = self._checked_header(key)
-                dtypes.add(dtype)
-                expected = shapes.setdefault(projection, shape)
-                if shape != expected:
-                    raise CheckpointError(f"tensor {key!r} has shape {shape}, expert 0 has {expected}")
-        (inter, hidden), down = shapes[0], shapes[2]
-        if shapes[1] != [inter, hidden] or down != [hidden, inter]:
-            raise CheckpointError(
-                f"layer {layer}: gate {shapes[0]}, up {shapes[1]}, down {down} are not [I, H], [I, H], [H, I]"
-            )
-        return MoELayer(layer, self.experts[layer], hidden, inter, frozenset(dtypes))
-
-    def _describe_fused(self, layer: int) -> MoELayer:
-        gate_up_dtype, gate_up = self.reader.header(self.key(0, layer, 0))
-        down_dtype, down = self.reader.header(self.key(2, layer, 0))
-        if gate_up_dtype not in _FLOAT_DTYPES or down_dtype not in _FLOAT_DTYPES:
-            raise CheckpointError(  # no FP8 scale layout for fused experts is known to us
-                f"layer {layer}: fused experts must be BF16, F16 or F32, got {gate_up_dtype}, {down_dtype}"
-            )
-        ok = len(gate_up) == len(down) == 3 and gate_up[0] == down[0]
-        if not ok or gate_up[1] != 2 * down[2] or gate_up[2] != down[1]:
-            raise CheckpointError(
-                f"layer {layer}: fused gate_up_proj {gate_up} and down_proj {down} are not "
-                "[E, 2I, H] and [E, H, I]"
-            )
-        self.experts[layer] = gate_up[0]
-        return MoELayer(layer, gate_up[0], down[1], down[2], frozenset({gate_up_dtype, down_dtype}))
-
-    def _checked_header(self, key: str) -> tuple[str, list[int]]:
-        dtype, shape = self.reader.header(key)
-        if dtype == _FP8_DTYPE:
-            scale_key = key + "_scale_inv"
-            blocks = [-(-size // FP8_BLOCK) for size in shape]
-            scale_shape = self.reader.header(scale_key)[1]
-            if scale_shape != blocks:
-                raise CheckpointError(
-                    f"tensor {scale_key!r} has shape {scale_shape}, expected {blocks} "
-                    f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} block of {key!r} {shape})"
-                )
-        elif dtype not in _FLOAT_DTYPES:
-            raise CheckpointError(f"tensor {key!r} has dtype {dtype}; expected BF16, F16, F32 or F8_E4M3")
-        if len(shape) != 2:
-            raise CheckpointError(f"tensor {key!r} has shape {shape}, expected 2-D")
-        return dtype, shape
-
-    def read_expert(self, layer: MoELayer, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate [I, H], up [I, H], down [H, I] of one expert, in the source's precision (FP8 dequantized)."""
-        if self.naming.fused:
-            gate_up = self.reader.read(self.key(0, layer.index, 0), expert)
-            down = self.reader.read(self.key(2, layer.index, 0), expert)
-            return gate_up[: layer.intermediate], gate_up[layer.intermediate :], down
-        return tuple(self._read_weight(self.key(p, layer.index, expert)) for p in range(3))
-
-    def _read_weight(self, key: str) -> torch.Tensor:
-        weight = self.reader.read(key)
-        if weight.dtype == torch.float8_e4m3fn:
-            return dequantize_fp8_blocks(weight, self.reader.read(key + "_scale_inv"))
-        return weight
 
 
 def parse_layers(text: str) -> list[range]:
@@ -426,7 +258,7 @@ def _layer_is_complete(output: Path, done: dict, layer: MoELayer, fmt: str) -> b
 
 
 def _convert_layer(
-    source: ExpertSource, layer: MoELayer, fmt: str, group_size: int | None, progress: Progress
+    source: ExpertSource, layer: MoELayer, fmt: WeightFormat, group_size: int | None, progress: Progress
 ) -> dict[str, torch.Tensor]:
     """Quantize a layer expert by expert into stacked [E, ...] tensors named blk.{L}.ffn_*_exps.*."""
     out: dict[str, torch.Tensor] = {}
@@ -434,7 +266,7 @@ def _convert_layer(
         weights = source.read_expert(layer, expert)
         for p, projection in enumerate(PROJECTIONS):
             try:
-                values, scales = quant.quantize(fmt, weights[p], group_size)
+                values, scales = fmt.quantize(weights[p], group_size)
             except ValueError as error:  # the sizes were checked: this is the data (NaN, Inf)
                 where = source.describe_weight(p, layer.index, expert)
                 raise CheckpointError(f"tensor {where} cannot be converted: {error}") from error
@@ -450,24 +282,28 @@ def _convert_layer(
 
 
 def _choose_group_size(
-    fmt: str, group_size: int | None, layers: list[MoELayer], manifest: dict | None
+    fmt: WeightFormat, group_size: int | None, layers: list[MoELayer], manifest: dict | None
 ) -> int | None:
-    """INT4: the given group size, else the one OUTPUT_DIR already holds, else the largest of
-    128/64/32 dividing H and I of every layer. Other formats take none."""
-    if fmt != "INT4":
+    """Where the format offers a choice of scale group (INT4): the given group size, else the one
+    OUTPUT_DIR already holds, else the largest allowed dividing H and I of every layer. Other
+    formats take none."""
+    if not fmt.group_choice:
         if group_size is not None:
-            raise ValueError(f"--group-size applies to int4 only, not {fmt.lower()}")
+            choosing = " and ".join(formats.GROUP_CHOICE).lower()
+            raise ValueError(f"--group-size applies to {choosing} only, not {fmt.name.lower()}")
         return None
     previous = manifest.get("group_size") if manifest else None
     if group_size is not None and previous is not None and group_size != previous:
-        raise ValueError(f"OUTPUT_DIR holds INT4 weights with group size {previous}, not {group_size}")
+        raise ValueError(f"OUTPUT_DIR holds {fmt.name} weights with group size {previous}, not {group_size}")
     group_size = group_size or previous
-    if group_size is not None and group_size not in quant.INT4_GROUP_SIZES:
-        raise ValueError(f"--group-size must be one of {quant.INT4_GROUP_SIZES}, got {group_size}")
-    for candidate in [group_size] if group_size else sorted(quant.INT4_GROUP_SIZES, reverse=True):
-        if all(layer.hidden % candidate == 0 == layer.intermediate % candidate for layer in layers):
-            return candidate
-    raise ValueError(f"INT4 group size {group_size} does not divide the hidden and intermediate sizes")
+    if group_size is not None and group_size not in fmt.scale_groups:
+        raise ValueError(f"--group-size must be one of {fmt.scale_groups}, got {group_size}")
+    sizes = math.gcd(*(size for layer in layers for size in (layer.hidden, layer.intermediate)))
+    if group_size is not None and sizes % group_size:
+        raise ValueError(
+            f"{fmt.name} group size {group_size} does not divide the hidden and intermediate sizes"
+        )
+    return group_size or fmt.choose_group(sizes)
 
 
 def convert_checkpoint(
@@ -488,7 +324,7 @@ def convert_checkpoint(
     incomplete or non-finite input, ValueError for a conflicting OUTPUT_DIR or impossible options,
     OSError naming the file when OUTPUT_DIR cannot be written (a full disk).
     """
-    fmt = quant.weight_format(method)
+    fmt = formats.get(method)
     source_path, output = Path(input_dir).resolve(), Path(output_dir).resolve()
     if source_path == output:
         raise ValueError("OUTPUT_DIR must differ from INPUT_DIR")
@@ -496,15 +332,13 @@ def convert_checkpoint(
     wanted = _select_layers(layers, source.experts)
     with source.opened():
         todo = [source.describe(layer) for layer in wanted]  # every key and shape checked before writing
-    if fmt in ("INT4", "MXFP4"):
-        for layer in todo:
-            if layer.hidden % 32 or layer.intermediate % 32:
-                raise ValueError(
-                    f"layer {layer.index}: {fmt} needs hidden ({layer.hidden}) and intermediate "
-                    f"({layer.intermediate}) sizes that are multiples of 32"
-                )
+    for layer in todo:
+        try:
+            fmt.check_dimensions({"hidden": layer.hidden, "intermediate": layer.intermediate})
+        except ValueError as error:
+            raise ValueError(f"layer {layer.index}: {error}") from None
     manifest = read_manifest(output) if output.is_dir() else None
-    _check_output(output, manifest, fmt, source_path)
+    _check_output(output, manifest, fmt.name, source_path)
     group_size = _choose_group_size(fmt, group_size, todo, manifest)
     output.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(output)
@@ -512,8 +346,8 @@ def convert_checkpoint(
     header = {
         "tool": "kt-kernel convert",
         "kt_kernel_version": __version__,
-        "format": fmt,
-        **({"group_size": group_size} if fmt == "INT4" else {}),
+        "format": fmt.name,
+        **({"group_size": group_size} if group_size else {}),
         "source": str(source_path),
         "source_dtype": ",".join(sorted(dtypes)),
         "naming": source.naming.name,
@@ -522,14 +356,14 @@ def convert_checkpoint(
     done = manifest["layers"] if manifest else {}
     bar = Progress(len(todo), progress)
     for layer in todo:
-        if resume and _layer_is_complete(output, done, layer, fmt):
+        if resume and _layer_is_complete(output, done, layer, fmt.name):
             bar.layer(layer, "already converted, skipped")
             continue
         start = time.monotonic()
         with source.opened():
             tensors = _convert_layer(source, layer, fmt, group_size, bar)
         file = converted_file_name(layer.index)
-        metadata = {"format": fmt, "layer": str(layer.index), "experts": str(layer.experts)}
+        metadata = {"format": fmt.name, "layer": str(layer.index), "experts": str(layer.experts)}
         _write_atomically(output / file, lambda tmp, t=tensors, m=metadata: write_safetensors(t, tmp, m))
         del tensors
         entry = {
@@ -547,8 +381,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``convert`` subcommand's arguments."""
     parser.add_argument("input_dir", help="Hugging Face-style model directory of .safetensors")
     parser.add_argument("output_dir", help="directory for layer_LLL.safetensors and kt_manifest.json")
-    formats = ["INT4", "INT8", "MXFP4", "BF16"]
-    parser.add_argument("--format", required=True, type=str.upper, choices=formats, help="|".join(formats))
+    choices = list(formats.FORMATS)
+    parser.add_argument("--format", required=True, type=str.upper, choices=choices, help="|".join(choices))
     parser.add_argument("--group-size", type=int, help="INT4: 32, 64 or 128 (default: largest that fits)")
     parser.add_argument("--layers", type=parse_layers, help="layers to convert: A-B, A, or a list like 0-3,7")
     parser.add_argument("--resume", action="store_true", help="skip layers already complete in OUTPUT_DIR")

@@ -9,20 +9,20 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, numa, quant
+from . import checkpoint, formats
 from ._native import ext
-from .loader.load import debug
+from .formats import require_shape
+from .subpools import intermediate_granularity, plan_subpools, split_intermediate
+from .weights import FLOAT_DTYPES, prepare, require_cpu_tensor, subpool_slice
 
-#: Formats the engine runs today.
-IMPLEMENTED_FORMATS = ("BF16", "MXFP4", "INT8", "INT4")
-_FLOAT_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: INT8 sums stay exact in int32 up to this many inputs.
-INT8_MAX_K = 65536
+__all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
+
+#: Formats the engine runs.
+IMPLEMENTED_FORMATS = tuple(formats.FORMATS)
 #: At most this many worker threads per CPU this process may run on (more only time-slice).
 THREADS_PER_CPU_LIMIT = 4
 
@@ -37,19 +37,6 @@ def _require_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def _require_cpu_tensor(name: str, value: object) -> torch.Tensor:
-    """A dense CPU tensor whose memory holds its values (a negative view is resolved)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
-    if not value.is_cpu:
-        raise ValueError(f"{name} must be on the CPU, got device {value.device}")
-    if value.is_neg():  # torch._neg_view: the engine reads memory, which holds the values unnegated
-        value = value.resolve_neg()
-    return value
-
-
 def _optional_non_negative(name: str, value: object) -> float | None:
     """None, or a finite float >= 0 (0 and None both mean off)."""
     if value is None:
@@ -59,17 +46,6 @@ def _optional_non_negative(name: str, value: object) -> float | None:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value}")
     return float(value)
-
-
-def _quantize_per_expert(name: str, method: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant.quantize one expert at a time, so float32 temporaries stay the size of one expert."""
-    parts = []
-    for index, expert in enumerate(weight):
-        try:
-            parts.append(quant.quantize(method, expert))
-        except ValueError as error:
-            raise ValueError(f"{name}[{index}]: {error}") from None
-    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
 
 
 def _require_addresses(name: str, value: object, count: int) -> list[int]:
@@ -84,75 +60,6 @@ def _require_addresses(name: str, value: object, count: int) -> list[int]:
         if not 0 < address < 2**64:
             raise ValueError(f"{name}[{index}] = {address} is not a valid address")
     return list(value)
-
-
-def _require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(tensor.shape)}")
-
-
-def intermediate_granularity(weight_format: str, intermediate: int) -> int:
-    """The multiple at which the intermediate dimension I may be cut between subpools.
-
-    A subpool's slice of I is the input dimension of its down projection, so a cut must not split
-    a scale: MXFP4 scales cover blocks of 32 inputs, INT4 scales groups of G. For INT4 the
-    multiple is the largest of 128, 64, 32 dividing I: the group size quantize-on-load uses, and
-    a multiple of every group size a down scale can have for this I (they are powers of two that
-    divide I). BF16 and INT8 have no blocks along I and could be cut anywhere; 16 is the rows of
-    one packed weight group (kGroupRows): gate/up pack each slice's rows in groups of 16, so a cut
-    off a multiple of 16 would leave a zero-padded, wasted group in two subpools.
-    """
-    if weight_format == "MXFP4":
-        return quant.MXFP4_BLOCK
-    if weight_format == "INT4":
-        return quant.int4_group_size(intermediate)
-    return 16
-
-
-def split_intermediate(intermediate: int, count: int, granularity: int) -> list[tuple[int, int]]:
-    """``count`` contiguous slices ``[start, stop)`` of ``range(intermediate)``, as even as cuts at
-    multiples of ``granularity`` allow; ValueError when some slice would be empty."""
-    cuts = [(2 * j * intermediate + count * granularity) // (2 * count * granularity) * granularity
-            for j in range(1, count)]  # fmt: skip
-    bounds = [0, *cuts, intermediate]
-    slices = list(zip(bounds[:-1], bounds[1:], strict=True))
-    if any(start >= stop for start, stop in slices):
-        raise ValueError(
-            f"moe_intermediate_size={intermediate} cannot be split into {count} non-empty subpool slices "
-            f"cut at multiples of {granularity}: use a smaller threadpool_count"
-        )
-    return slices
-
-
-# The worker threads of the process, shared by every layer as upstream's CPUInfer: one set per
-# configuration (threads per subpool, their CPUs), made by the first layer that asks for it and kept
-# while any layer holds it. A model gives every layer the same configuration, so it has one set.
-_pools_lock = threading.Lock()
-_pools: dict[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], weakref.ref] = {}
-
-
-def _shared_worker_pools(threads: list[int], cpus: list[list[int]]) -> Any:
-    """The process's ext.WorkerPools for threads[i] workers in subpool i pinned to cpus[i]."""
-    config = (tuple(threads), tuple(tuple(c) for c in cpus))
-    with _pools_lock:
-        pools = _pools[config]() if config in _pools else None
-        if pools is None:
-            pools = ext.WorkerPools(threads, cpus)
-            _pools[config] = weakref.ref(pools)
-            debug(f"worker threads for subpools of {list(threads)} threads started")
-        return pools
-
-
-@dataclass
-class _Subpool:
-    """One engine with its own threads, owning intermediate rows [start, stop) of every expert."""
-
-    engine: Any  # ext.MoEEngine, owned by the wrapper's ext.MoESubpools
-    start: int
-    stop: int
-    threads: int
-    numa_node: int | None
-    cpus: list[int] | None
 
 
 class KTMoEWrapper:
@@ -247,7 +154,11 @@ class KTMoEWrapper:
                 f"({num_experts_per_tok})"
             )
         self.max_deferred_experts_per_token = deferred
-        self.weight_format = self._check_method(method)
+        self._format = formats.get(method)
+        self._format.check_dimensions(
+            {"hidden_size": hidden_size, "moe_intermediate_size": moe_intermediate_size}
+        )
+        self.weight_format = self._format.name
         self.method = method
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)
@@ -259,16 +170,21 @@ class KTMoEWrapper:
         self.int8_activations = int8_activations
         # The engines read this tensor's memory at every submit: it is replaced only in place.
         self._gpu_experts_mask = self._initial_gpu_mask(gpu_experts_mask, num_gpu_experts)
-        self._layer, self._subpools = self._make_subpools(
-            torch.nonzero(self._gpu_experts_mask).flatten().tolist()
-        )
+        self._layer, self._pools, self._subpools = plan_subpools(
+            num_experts=num_experts, top_k=num_experts_per_tok, hidden=hidden_size,
+            intermediate=moe_intermediate_size, weight_format=self.weight_format, threads=cpuinfer_threads,
+            count=threadpool_count, numa_nodes=self.numa_nodes,
+            skip=torch.nonzero(self._gpu_experts_mask).flatten().tolist(),
+            int8_activations=int8_activations, swiglu_limit=self.swiglu_limit or 0.0,
+            swiglu_alpha=self.swiglu_alpha or 0.0,
+        )  # fmt: skip
         # Deferred experts run as a second call of this layer, on the same weights and threads; its
         # output (guarded by _deferred_lock) goes into the next call's output (see submit_forward).
         self._deferred_layer = self._layer.twin() if deferred else None
         self._deferred_out: torch.Tensor | None = None  # the deferred call in flight, if any
         self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
-        # Per projection, the inputs one scale covers (MXFP4: 32, INT4: its group), set at load.
-        self._scale_blocks: dict[str, int] = {}
+        # Per projection, the inputs one scale covers (1 without group scales), set at load.
+        self._scale_groups: dict[str, int] = {}
         self._loaded = False
         # _lock guards the engines and _in_flight: every method takes turns on it, so calls from
         # several Python threads are serialized (or refused while a forward is in flight).
@@ -279,47 +195,6 @@ class KTMoEWrapper:
         KTMoEWrapper._instances.add(self)
 
     # ---- construction helpers ---------------------------------------------------------------
-    def _check_method(self, method: object) -> str:
-        weight_format = quant.weight_format(method)
-        if weight_format not in IMPLEMENTED_FORMATS:
-            raise NotImplementedError(
-                f"method {method!r} ({weight_format} weights) is not implemented yet; "
-                f"available: {', '.join(IMPLEMENTED_FORMATS)}"
-            )
-        if weight_format in ("MXFP4", "INT4") and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
-            raise ValueError(
-                f"{weight_format} needs hidden_size and moe_intermediate_size to be multiples of 32, got "
-                f"{self.hidden_size} and {self.moe_intermediate_size}"
-            )
-        if weight_format == "INT8" and max(self.hidden_size, self.moe_intermediate_size) > INT8_MAX_K:
-            raise ValueError(f"INT8 needs hidden_size and moe_intermediate_size <= {INT8_MAX_K}")
-        return weight_format
-
-    def _make_subpools(self, skip: list[int]) -> tuple[Any, list[_Subpool]]:
-        """The engines (one per subpool, ext.MoESubpools) and what each was given."""
-        count, inter, threads = self.threadpool_count, self.moe_intermediate_size, self.cpuinfer_threads
-        slices = split_intermediate(inter, count, intermediate_granularity(self.weight_format, inter))
-        pins = numa.plan_pinning(count, self.numa_nodes, numa.discover_nodes(), numa.allowed_cpus())
-        shares = [threads // count + (i < threads % count) for i in range(count)]
-        self._pools = _shared_worker_pools(shares, [[] if pin is None else pin[1] for pin in pins])
-        layer = ext.MoESubpools(
-            self.num_experts,
-            self.num_experts_per_tok,
-            self.hidden_size,
-            self.weight_format,
-            self._pools,
-            [stop - start for start, stop in slices],
-            skip,
-            int8_activations=self.int8_activations,
-            swiglu_limit=self.swiglu_limit or 0.0,
-            swiglu_alpha=self.swiglu_alpha or 0.0,
-        )
-        subpools = [
-            _Subpool(layer.engine(i), start, stop, share, *(pin if pin is not None else (None, None)))
-            for i, ((start, stop), share, pin) in enumerate(zip(slices, shares, pins, strict=True))
-        ]
-        return layer, subpools
-
     @property
     def subpools(self) -> list[dict[str, Any]]:
         """Each subpool: ``threads``, its ``intermediate`` slice (start, stop), the ``numa_node``
@@ -389,7 +264,7 @@ class KTMoEWrapper:
             mask = mask.cpu()  # a mask is tiny; a GPU-side one is welcome
         if mask.dtype != torch.bool:
             raise TypeError(f"gpu_experts_mask must be a bool tensor, got {mask.dtype}")
-        _require_shape("gpu_experts_mask", mask, (self.num_experts,), "[num_experts]")
+        require_shape("gpu_experts_mask", mask, (self.num_experts,), "[num_experts]")
         return mask.clone(memory_format=torch.contiguous_format)  # the engines read its memory
 
     # ---- weights ------------------------------------------------------------------------------
@@ -432,166 +307,23 @@ class KTMoEWrapper:
         up_scale: torch.Tensor | None,
         down_scale: torch.Tensor | None,
     ) -> None:
-        weights = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
-        scales = {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale}
-        given = [name for name, scale in scales.items() if scale is not None]
-        if given and self.weight_format == "BF16":
-            raise ValueError(f"{self.weight_format} weights take no scales, got {', '.join(given)}")
-        if given and len(given) != 3:
-            raise ValueError("pass all of gate_scale, up_scale and down_scale, or none of them")
-        for name, tensor in weights.items():
-            weights[name] = tensor = _require_cpu_tensor(name, tensor)
-            if tensor.dim() != 3:
-                raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
-        sources = weights["gate_proj"].shape[0]
-        slot_map = self._check_slot_map(physical_to_logical_map_cpu, sources)
-        if given and self.weight_format == "MXFP4":
-            canonical = self._canonical_mxfp4(weights, scales, sources)
-        elif given:
-            canonical = self._canonical_integer(weights, scales, sources)
-        else:
-            for name, tensor in weights.items():
-                if tensor.dtype not in _FLOAT_WEIGHT_DTYPES:
-                    raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
-                _require_shape(name, tensor, *self._projection_shape(name, sources, 1))
-            if self.weight_format == "BF16":
-                canonical = [w.to(torch.bfloat16).contiguous().view(torch.int16) for w in weights.values()]
-            else:
-                canonical = [
-                    t for n, w in weights.items() for t in _quantize_per_expert(n, self.weight_format, w)
-                ]
-                if self.weight_format != "MXFP4":
-                    canonical = self._engine_integer_layout(canonical)
+        canonical, slot_map = prepare(
+            self._format,
+            {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj},
+            {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale},
+            physical_to_logical_map_cpu,
+            self.num_experts,
+            self.hidden_size,
+            self.moe_intermediate_size,
+        )
         # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
         # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
         self._loaded = False
-        if self.weight_format in ("MXFP4", "INT4"):  # scales [E, N, K / block] follow each projection
-            scale_tensors = dict(zip(("gate", "up", "down"), canonical[1::2], strict=True))
-            k = {"gate": self.hidden_size, "up": self.hidden_size, "down": self.moe_intermediate_size}
-            self._scale_blocks = {name: k[name] // t.shape[2] for name, t in scale_tensors.items()}
+        self._scale_groups = {name: self._format.scale_group(*pair) for name, pair in canonical.items()}
         for sp in self._subpools:
-            tensors = self._slice_intermediate(canonical, sp.start, sp.stop)
-            if self.weight_format == "BF16":  # no scales
-                tensors = [tensors[0], None, tensors[1], None, tensors[2], None]
+            tensors = subpool_slice(self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size)
             sp.engine.load(*tensors, slot_map)
         self._loaded = True
-
-    def _slice_intermediate(self, tensors: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
-        """The engine-layout tensors (gate, [gate_scale,] up, [up_scale,] down[, down_scale]) of
-        intermediate rows [start, stop): gate/up rows (and their scales), down columns. A down
-        scale is per block of inputs (MXFP4, INT4: sliced by block) or per output row (INT8:
-        shared by every slice)."""
-        inter = self.moe_intermediate_size
-        if (start, stop) == (0, inter):
-            return tensors
-        if self.weight_format == "BF16":
-            gate, up, down = tensors
-            return [t[:, start:stop].contiguous() for t in (gate, up)] + [down[..., start:stop].contiguous()]
-        gate, gate_scale, up, up_scale, down, down_scale = tensors
-        per_byte = 1 if self.weight_format == "INT8" else 2  # MXFP4 and INT4 hold two inputs per byte
-
-        def columns(tensor: torch.Tensor, unit: int) -> torch.Tensor:
-            return tensor[..., start // unit : stop // unit].contiguous()
-
-        if self.weight_format != "INT8":
-            down_scale = columns(down_scale, inter // down_scale.shape[2])
-        return [
-            *(t[:, start:stop].contiguous() for t in (gate, gate_scale, up, up_scale)),
-            columns(down, per_byte),
-            down_scale,
-        ]
-
-    def _projection_shape(self, name: str, sources: int, k_divisor: int) -> tuple[tuple[int, ...], str]:
-        """The shape of a projection's tensor whose last (input) dim is divided by k_divisor."""
-        H, intermediate = self.hidden_size, self.moe_intermediate_size
-        k_text = "" if k_divisor == 1 else f"/{k_divisor}"
-        if name.startswith("down"):
-            return (sources, H, intermediate // k_divisor), f"[E, hidden_size, moe_intermediate_size{k_text}]"
-        return (sources, intermediate, H // k_divisor), f"[E, moe_intermediate_size, hidden_size{k_text}]"
-
-    def _canonical_mxfp4(
-        self, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor | None], sources: int
-    ) -> list[torch.Tensor]:
-        """Checked uint8 views of MXFP4 codes and scales, in gate, gate_scale, up, ... order."""
-        checked = []
-        for (name, codes), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True):
-            if codes.dtype not in (torch.uint8, torch.int8):
-                raise TypeError(f"{name} must hold MXFP4 codes as uint8 or int8, got {codes.dtype}")
-            _require_shape(name, codes, *self._projection_shape(name, sources, 2))
-            scale = _require_cpu_tensor(scale_name, scale)
-            if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-                raise TypeError(f"{scale_name} must be uint8 or float8_e8m0fnu (E8M0), got {scale.dtype}")
-            _require_shape(scale_name, scale, *self._projection_shape(name, sources, quant.MXFP4_BLOCK))
-            scale = scale.contiguous().view(torch.uint8)
-            nan = (scale == quant.E8M0_NAN).nonzero()
-            if len(nan):
-                raise ValueError(
-                    f"{scale_name} holds the E8M0 NaN code 0xFF (first at index {nan[0].tolist()})"
-                )
-            checked += [codes.contiguous().view(torch.uint8), scale]
-        return checked
-
-    def _canonical_integer(
-        self, weights: dict[str, torch.Tensor], scales: dict[str, torch.Tensor | None], sources: int
-    ) -> list[torch.Tensor]:
-        """Checked INT8 / INT4 values and scales in the engine's layout, gate, gate_scale, up, ... order."""
-        int4 = self.weight_format == "INT4"
-        checked = []
-        for (name, values), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True):
-            allowed = (torch.uint8, torch.int8) if int4 else (torch.int8,)
-            if values.dtype not in allowed:
-                kind = "two 4-bit values per byte as uint8 or int8" if int4 else "int8"
-                fmt = self.weight_format
-                raise TypeError(f"{name} must hold {fmt} weights as {kind}, got {values.dtype}")
-            _require_shape(name, values, *self._projection_shape(name, sources, 2 if int4 else 1))
-            scale = _require_cpu_tensor(scale_name, scale)
-            if scale.dtype not in (torch.float32, torch.bfloat16):
-                raise TypeError(f"{scale_name} must be float32 or bfloat16, got {scale.dtype}")
-            k = values.shape[2] * (2 if int4 else 1)
-            if int4:
-                if scale.dim() != 3 or scale.shape[2] == 0 or k % scale.shape[2]:
-                    raise ValueError(
-                        f"{scale_name} must have shape [E, N, K/G] with G in {quant.INT4_GROUP_SIZES}, "
-                        f"got {list(scale.shape)} for K = {k}"
-                    )
-                group = k // scale.shape[2]
-                if group not in quant.INT4_GROUP_SIZES:
-                    raise ValueError(
-                        f"{scale_name} implies group size {group}; INT4 takes {quant.INT4_GROUP_SIZES}"
-                    )
-                _require_shape(scale_name, scale, *self._projection_shape(name, sources, group))
-            else:
-                _require_shape(scale_name, scale, tuple(values.shape[:2]), "[E, N]")
-            if not torch.isfinite(scale).all():
-                raise ValueError(f"{scale_name} holds a non-finite scale")
-            checked += [values, scale]
-        return self._engine_integer_layout(checked)
-
-    @staticmethod
-    def _engine_integer_layout(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """(values, scales) pairs as the engine takes them: uint8 bytes and float32 [E, N, S] scales."""
-        out = []
-        for values, scale in zip(tensors[0::2], tensors[1::2], strict=True):
-            scale = scale.to(torch.float32)
-            out += [values.contiguous().view(torch.uint8), scale.reshape(*values.shape[:2], -1).contiguous()]
-        return out
-
-    def _check_slot_map(self, slot_map: torch.Tensor | None, sources: int) -> torch.Tensor:
-        if slot_map is None:
-            if sources != self.num_experts:
-                raise ValueError(
-                    f"the weight tensors hold {sources} experts but num_experts is {self.num_experts}; "
-                    "pass physical_to_logical_map_cpu to map slots to experts"
-                )
-            return torch.arange(self.num_experts, dtype=torch.int64)
-        slot_map = _require_cpu_tensor("physical_to_logical_map_cpu", slot_map)
-        if slot_map.dtype.is_floating_point or slot_map.dtype.is_complex or slot_map.dtype == torch.bool:
-            raise TypeError(f"physical_to_logical_map_cpu must be an integer tensor, got {slot_map.dtype}")
-        _require_shape("physical_to_logical_map_cpu", slot_map, (self.num_experts,), "[num_experts]")
-        slot_map = slot_map.to(torch.int64).contiguous()
-        if slot_map.numel() and (slot_map.min() < 0 or slot_map.max() >= sources):
-            raise ValueError(f"physical_to_logical_map_cpu values must lie in [0, {sources})")
-        return slot_map
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
         """Load layer ``layer_idx`` from the checkpoint directory ``weight_path``.
@@ -607,17 +339,7 @@ class KTMoEWrapper:
         sources = self.num_experts
         if physical_to_logical_map_cpu is not None:
             sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
-        if checkpoint.read_manifest(self.weight_path) is not None:
-            tensors = checkpoint.read_converted_layer(
-                self.weight_path, self.layer_idx, sources, self.weight_format
-            )
-        elif self.weight_format == "MXFP4":
-            tensors = checkpoint.read_v4_flash_experts(self.weight_path, self.layer_idx, sources)
-        else:
-            raise NotImplementedError(
-                f"{self.weight_path} holds no {checkpoint.MANIFEST_NAME}; convert it first with "
-                f"`kt-kernel convert {self.weight_path} OUTPUT_DIR --format {self.weight_format.lower()}`"
-            )
+        tensors = checkpoint.read_layer(self.weight_path, self.layer_idx, sources, self.weight_format)
         self.load_weights_from_tensors(
             tensors.pop("gate"),
             tensors.pop("up"),
@@ -804,34 +526,35 @@ class KTMoEWrapper:
             self._require_idle("write weights back")
             if not self._loaded:
                 raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
-            fmt, H, inter = self.weight_format, self.hidden_size, self.moe_intermediate_size
+            fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
             tp = _require_int("gpu_tp_count", gpu_tp_count, 1)
-            down_block = self._scale_blocks.get("down", 1)
-            if inter % tp or (inter // tp) % down_block:
-                keep = f" into whole blocks of {down_block} inputs per down scale" if down_block > 1 else ""
+            down_group = self._scale_groups["down"]
+            if inter % tp or (inter // tp) % down_group:
+                keep = f" into whole blocks of {down_group} inputs per down scale" if down_group > 1 else ""
                 raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
             expert = _require_int("expert_id", expert_id, 0)
             if expert >= self.num_experts:
                 raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert}")
             w13 = _require_addresses("w13_weight_ptrs", w13_weight_ptrs, tp)
             w2 = _require_addresses("w2_weight_ptrs", w2_weight_ptrs, tp)
-            if fmt == "BF16":
-                for name, ptrs in (("w13_scale_ptrs", w13_scale_ptrs), ("w2_scale_ptrs", w2_scale_ptrs)):
-                    if ptrs is not None and not isinstance(ptrs, (list, tuple)):
-                        raise TypeError(f"{name} must be a list, empty or None for BF16")
-                s13 = s2 = [0] * tp  # BF16 has no scales
-            else:
+            if fmt.scale_groups:
                 s13 = _require_addresses("w13_scale_ptrs", w13_scale_ptrs, tp)
                 s2 = _require_addresses("w2_scale_ptrs", w2_scale_ptrs, tp)
-            if self._scale_blocks.get("gate") != self._scale_blocks.get("up"):
+            else:
+                for name, ptrs in (("w13_scale_ptrs", w13_scale_ptrs), ("w2_scale_ptrs", w2_scale_ptrs)):
+                    if ptrs is not None and not isinstance(ptrs, (list, tuple)):
+                        raise TypeError(f"{name} must be a list, empty or None for {fmt.name}")
+                s13 = s2 = [0] * tp  # no scales
+            gate_group = self._scale_groups["gate"]
+            if gate_group != self._scale_groups["up"]:
                 raise ValueError(
-                    "gate and up were loaded with different INT4 group sizes: w13 scale rows cannot hold both"
+                    f"gate and up were loaded with different {fmt.name} group sizes: w13 scale rows cannot "
+                    "hold both"
                 )
-            gate_block = self._scale_blocks.get("gate", 1)
             part = inter // tp
-            h_bytes, h_scale_bytes = self._canonical_bytes(H), self._canonical_scale_bytes(H, gate_block)
-            part_bytes = self._canonical_bytes(part)
-            part_scale_bytes = self._canonical_scale_bytes(part, down_block)
+            h_bytes, h_scale_bytes = fmt.canonical_bytes(H), fmt.canonical_scale_bytes(H, gate_group)
+            part_bytes = fmt.canonical_bytes(part)
+            part_scale_bytes = fmt.canonical_scale_bytes(part, down_group)
             for r in range(tp):
                 first, last = r * part, (r + 1) * part
                 for sp in self._subpools:  # each holds rows [start, stop) of I
@@ -843,9 +566,9 @@ class KTMoEWrapper:
                             name, expert, lo - sp.start, hi - lo, 0, H,
                             w13[r] + row * h_bytes, h_bytes, s13[r] + row * h_scale_bytes, h_scale_bytes,
                         )  # fmt: skip
-                    # INT8's down scales are one per row, the same in every part.
-                    column = self._canonical_bytes(lo - first)
-                    scale_column = 0 if fmt == "INT8" else self._canonical_scale_bytes(lo - first, down_block)
+                    # A per-row down scale is the same in every part.
+                    column = fmt.canonical_bytes(lo - first)
+                    scale_column = 0 if fmt.row_scales else fmt.canonical_scale_bytes(lo - first, down_group)
                     sp.engine.unpack(
                         "down", expert, 0, H, lo - sp.start, hi - lo,
                         w2[r] + column, part_bytes, s2[r] + scale_column, part_scale_bytes,
@@ -853,18 +576,6 @@ class KTMoEWrapper:
 
     def sync_write_weight_scale_to_buffer(self) -> None:
         """Kept for upstream's call sequence: submit_write_weight_scale_to_buffer finished the work."""
-
-    def _canonical_bytes(self, inputs: int) -> int:
-        """Bytes of ``inputs`` canonical weights of one row."""
-        return {"BF16": 2 * inputs, "INT8": inputs}.get(self.weight_format, inputs // 2)
-
-    def _canonical_scale_bytes(self, inputs: int, block: int) -> int:
-        """Bytes of the canonical scales of ``inputs`` weights of one row (INT8: the row's one float)."""
-        if self.weight_format == "BF16":
-            return 0
-        if self.weight_format == "INT8":
-            return 4
-        return inputs // block * (1 if self.weight_format == "MXFP4" else 4)
 
     def close(self) -> None:
         """Wait for a forward in flight, then free the weights and stop the worker threads.
@@ -894,8 +605,8 @@ class KTMoEWrapper:
     def _check_inputs(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = _require_cpu_tensor("hidden_states", hidden_states)
-        if x.dtype not in _FLOAT_WEIGHT_DTYPES:
+        x = require_cpu_tensor("hidden_states", hidden_states)
+        if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x.dtype}")
         if x.dim() < 2 or x.shape[-1] != self.hidden_size:
             raise ValueError(
@@ -906,10 +617,10 @@ class KTMoEWrapper:
             x = x.reshape(-1, self.hidden_size)
         if x.dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)  # the engine reads bf16 tokens: converted once, here
-        ids = _require_cpu_tensor("topk_ids", topk_ids)
+        ids = require_cpu_tensor("topk_ids", topk_ids)
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"topk_ids must be int64 or int32, got {ids.dtype}")
-        weights = _require_cpu_tensor("topk_weights", topk_weights)
+        weights = require_cpu_tensor("topk_weights", topk_weights)
         if not weights.dtype.is_floating_point:
             raise TypeError(f"topk_weights must be a floating-point tensor, got {weights.dtype}")
         if ids.dim() > 2:
@@ -919,8 +630,8 @@ class KTMoEWrapper:
         if x.shape[0] * self.num_experts_per_tok >= 2**31:
             raise ValueError(f"hidden_states has too many tokens ({x.shape[0]}) for one call")
         expected = (x.shape[0], self.num_experts_per_tok)
-        _require_shape("topk_ids", ids, expected, "[tokens, num_experts_per_tok]")
-        _require_shape("topk_weights", weights, expected, "[tokens, num_experts_per_tok]")
+        require_shape("topk_ids", ids, expected, "[tokens, num_experts_per_tok]")
+        require_shape("topk_weights", weights, expected, "[tokens, num_experts_per_tok]")
         # Expert ids are range-checked by the engine while it buckets them (ValueError).
         # (.to() costs about 1 us even when the dtype already matches: a tiny call is about 20 us)
         if ids.dtype != torch.int64:
@@ -976,8 +687,6 @@ class KTMoEWrapper:
     @classmethod
     def _after_fork_in_child(cls) -> None:
         # Another thread of the parent may have held a lock at the fork; it does not exist here.
-        global _pools_lock
-        _pools_lock = threading.Lock()
         cls._deferred_lock = threading.Lock()
         for wrapper in list(cls._instances):
             wrapper._lock = threading.Lock()

@@ -1,0 +1,380 @@
+"""Weight formats: one registry entry per format holds everything Python knows about it.
+
+A format stores a weight ``[..., N, K]`` (N outputs, K inputs) as values of ``value_bits`` each,
+packed along K, and, except BF16, scales of ``scale_bytes`` each: one per output row
+(``scale_groups == (0,)``) or one per group of G inputs along K (G in ``scale_groups``). These
+rules, the multiple K must be of and its bound come from the compiled module's FORMATS, so that
+Python and the engine cannot disagree; an entry adds what only Python does: its method aliases,
+the dtypes a caller may hand its tensors in, quantize and dequantize. The canonical layouts:
+
+MXFP4 (OCP Microscaling, as DeepSeek-V4-Flash ships its experts):
+
+- codes ``[..., N, K/2]`` uint8: two E2M1 values per byte, the LOW nibble holds the even k.
+  Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
+- scales ``[..., N, K/32]`` uint8 E8M0: block b of row n is multiplied by 2^(scale - 127);
+  0xFF is NaN in the spec and is rejected by the loaders.
+- ``quantize`` picks, per block of 32, the smallest power of two that keeps the block's largest
+  magnitude within 6, then rounds every value to the nearest E2M1 value (ties to even).
+
+INT8: values ``[..., N, K]`` int8 (symmetric, -127..127 when quantized here; -128 is accepted when
+loaded), scales ``[..., N]`` float32, one per output row; w = q * s.
+
+INT4: values ``[..., N, K/2]`` uint8, two signed 4-bit values per byte (two's complement, -8..7),
+the LOW nibble holds the even k; scales ``[..., N, K/G]`` float32, G = K / scales.shape[-1] in
+{32, 64, 128}; w = q * s[k // G]. ``quantize`` uses -7..7 (symmetric) and G = 128 unless told.
+
+BF16 is the weight itself in bfloat16 (no scales).
+
+A new format is a WeightFormat subclass with its ``_encode`` and ``_decode`` (and, with scales,
+``_checked_scales``), and one instance of it in FORMATS; the engine must list it in its own FORMATS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ._native import ext
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+_E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)])
+_E2M1_SIGNED = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES])
+_FLOAT_SCALES = (torch.float32, torch.bfloat16)
+
+#: A projection's expected shape for a last dimension of K / d, and how a message writes it.
+ShapeOf = Callable[[int], tuple[tuple[int, ...], str]]
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., K] (uint8) -> [..., K/2] bytes, the even k in the low nibble."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] bytes -> the 4-bit codes [..., K] (uint8)."""
+    packed = packed.view(torch.uint8)
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
+    """ValueError naming the tensor unless it has ``shape`` (``meaning``: the shape in words)."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(tensor.shape)}")
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One weight format: its names, the dtypes its canonical tensors may be given in (and how a
+    message names them), and the engine's rules for it."""
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    value_dtypes: tuple[torch.dtype, ...] = ()
+    values_text: str = ""
+    scale_dtypes: tuple[torch.dtype, ...] = ()
+    scales_text: str = ""
+    # The engine's rules, read from ext.FORMATS[name] (see the module docstring).
+    value_bits: int = field(init=False)
+    scale_bytes: int = field(init=False)
+    scale_groups: tuple[int, ...] = field(init=False)
+    k_multiple: int = field(init=False)
+    max_k: int = field(init=False)
+    quantized_activations: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        native = ext.FORMATS[self.name]
+        for rule in fields(self):
+            if not rule.init:
+                object.__setattr__(self, rule.name, native[rule.name])
+
+    @property
+    def row_scales(self) -> bool:
+        """One scale per output row: every slice of K shares it."""
+        return self.scale_groups == (0,)
+
+    @property
+    def group_scales(self) -> bool:
+        """One scale per group of inputs along K: a cut along K must fall between groups."""
+        return bool(self.scale_groups) and not self.row_scales
+
+    @property
+    def group_choice(self) -> bool:
+        """Quantizing may use any of several group sizes (``group_size``)."""
+        return len(self.scale_groups) > 1
+
+    @property
+    def tensor_kinds(self) -> tuple[str, ...]:
+        """The tensors of one projection: its values ("weight") and, where it has them, its scales."""
+        return ("weight", "scale") if self.scale_groups else ("weight",)
+
+    def check_dimensions(self, sizes: dict[str, int]) -> None:
+        """ValueError unless every size (the K of some weight, by name) is one the engine runs."""
+        names, values = " and ".join(sizes), " and ".join(map(str, sizes.values()))
+        if any(k % self.k_multiple for k in sizes.values()):
+            multiples = "multiples" if len(sizes) > 1 else "a multiple"
+            raise ValueError(
+                f"{self.name} needs {names} to be {multiples} of {self.k_multiple}, got {values}"
+            )
+        if any(k > self.max_k for k in sizes.values()):
+            raise ValueError(f"{self.name} needs {names} <= {self.max_k}, got {values}")
+
+    def choose_group(
+        self, k: int, group_size: int | None = None, dimension: str = "the input dimension"
+    ) -> int:
+        """The inputs per scale to quantize ``k`` inputs with: ``group_size`` where the format offers
+        a choice, else the largest allowed group dividing k (0 for formats without groups)."""
+        if group_size is None:
+            self.check_dimensions({dimension: k})
+            return max((group for group in self.scale_groups if group and k % group == 0), default=0)
+        if not self.group_choice:
+            raise ValueError(f"group_size applies to {' and '.join(GROUP_CHOICE)} only, not {self.name}")
+        if group_size not in self.scale_groups:
+            raise ValueError(f"{self.name} group_size must be one of {self.scale_groups}, got {group_size}")
+        if k % group_size:
+            raise ValueError(
+                f"{self.name} needs {dimension} ({k}) to be a multiple of group_size {group_size}"
+            )
+        return group_size
+
+    def quantize(
+        self, weight: torch.Tensor, group_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float weight ``[..., N, K]`` -> (values, scales) in the canonical layout.
+
+        ``group_size`` only where the format offers a choice (INT4; default: ``choose_group(K)``).
+        ValueError for a weight holding NaN or Inf: no format can represent it faithfully.
+        """
+        if not weight.dtype.is_floating_point:
+            raise TypeError(f"quantize expects a floating-point weight, got {weight.dtype}")
+        if not torch.isfinite(weight).all():
+            where = (~torch.isfinite(weight)).nonzero()[0].tolist()
+            value = weight[tuple(where)].item()
+            raise ValueError(f"the weight holds {value} at index {where}: NaN and Inf cannot be quantized")
+        return self._encode(weight, self.choose_group(weight.shape[-1], group_size))
+
+    def dequantize(self, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """Canonical (values, scales) -> float32 weight ``[..., N, K]``."""
+        if self.scale_groups and scales is None:
+            raise ValueError(f"{self.name} needs scales")
+        return self._decode(values, scales)
+
+    def from_float(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float weights ``[E, N, K]`` quantized on load, as the engine takes them (see check_canonical).
+        One expert at a time, so that float32 temporaries stay the size of one expert; errors name
+        the tensor and the expert."""
+        parts = []
+        for index, expert in enumerate(weight):
+            try:
+                parts.append(self.quantize(expert))
+            except ValueError as error:
+                raise ValueError(f"{name}[{index}]: {error}") from None
+        values = torch.stack([p[0] for p in parts])
+        return values, self._per_row(values, torch.stack([p[1] for p in parts]))
+
+    def check_canonical(
+        self, name: str, values: torch.Tensor, scale_name: str, scale: torch.Tensor, shape_of: ShapeOf
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Values and scales given in the canonical layout, checked, the scales as the engine takes
+        them: ``[E, N, scales per row]`` of ``scale_bytes`` each."""
+        if values.dtype not in self.value_dtypes:
+            raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
+        require_shape(name, values, *shape_of(8 // self.value_bits))
+        if scale.dtype not in self.scale_dtypes:
+            raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
+        if self.row_scales:
+            require_shape(scale_name, scale, tuple(values.shape[:2]), "[E, N]")
+        else:
+            require_shape(
+                scale_name, scale, *shape_of(self._given_group(scale_name, scale, self.inputs(values)))
+            )
+        return values.contiguous(), self._per_row(values, self._checked_scales(scale_name, scale))
+
+    def _given_group(self, scale_name: str, scale: torch.Tensor, k: int) -> int:
+        """The inputs per scale that given group scales imply, where the format allows several."""
+        if not self.group_choice:
+            return self.scale_groups[0]
+        if scale.dim() != 3 or scale.shape[2] == 0 or k % scale.shape[2]:
+            raise ValueError(
+                f"{scale_name} must have shape [E, N, K/G] with G in {self.scale_groups}, "
+                f"got {list(scale.shape)} for K = {k}"
+            )
+        group = k // scale.shape[2]
+        if group not in self.scale_groups:
+            raise ValueError(
+                f"{scale_name} implies group size {group}; {self.name} takes {self.scale_groups}"
+            )
+        return group
+
+    @staticmethod
+    def _per_row(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Scales of ``values`` [E, N, ...] as the engine takes them, [E, N, scales per row]."""
+        return scale.reshape(*values.shape[:2], -1).contiguous()
+
+    def _inputs_per_element(self, values: torch.Tensor) -> int:
+        return 8 * values.element_size() // self.value_bits
+
+    def inputs(self, values: torch.Tensor) -> int:
+        """K of a canonical values tensor."""
+        return values.shape[-1] * self._inputs_per_element(values)
+
+    def scale_group(self, values: torch.Tensor, scale: torch.Tensor | None) -> int:
+        """The inputs one scale of a canonical (values, scale) pair covers; 1 without group scales."""
+        return self.inputs(values) // scale.shape[-1] if self.group_scales else 1
+
+    def slice_inputs(
+        self, values: torch.Tensor, scale: torch.Tensor | None, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Inputs [start, stop) of every row of a canonical (values, scale) pair: values by their
+        packing, group scales by group; a per-row scale covers every slice and stays whole."""
+        if self.group_scales:
+            group = self.scale_group(values, scale)
+            scale = scale[..., start // group : stop // group].contiguous()
+        per_element = self._inputs_per_element(values)
+        return values[..., start // per_element : stop // per_element].contiguous(), scale
+
+    def canonical_bytes(self, inputs: int) -> int:
+        """Bytes of ``inputs`` canonical values of one row."""
+        return inputs * self.value_bits // 8
+
+    def canonical_scale_bytes(self, inputs: int, group: int) -> int:
+        """Bytes of the canonical scales of ``inputs`` values of one row (per-row scales: the row's)."""
+        return self.scale_bytes if self.row_scales else inputs // group * self.scale_bytes
+
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _decode(self, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+        """Given scales checked and in the engine's dtype."""
+        raise NotImplementedError
+
+
+class _Bf16(WeightFormat):
+    def from_float(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self._encode(weight, 0)  # the weight itself, as given: nothing to refuse
+
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, None]:
+        return weight.to(torch.bfloat16).contiguous(), None
+
+    def _decode(self, values: torch.Tensor, scales: None) -> torch.Tensor:
+        return values.float()
+
+
+class _Mxfp4(WeightFormat):
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
+        amax = blocks.abs().amax(dim=-1)
+        # Smallest power of two X with amax / X <= 6 (frexp: amax / 6 = m * 2^e, m in [0.5, 1)).
+        mantissa, exponent = torch.frexp(amax / 6)
+        exponent = exponent - (mantissa == 0.5).to(exponent.dtype)
+        exponent = torch.where(amax > 0, exponent, torch.zeros_like(exponent)).clamp(-E8M0_BIAS, E8M0_BIAS)
+        exponent = exponent + (amax / torch.exp2(exponent.float()) > 6).to(exponent.dtype)  # float rounding
+        scaled = blocks / torch.exp2(exponent.float())[..., None]
+        magnitude = scaled.abs()
+        # The code = the midpoints below the magnitude, counted in uint8 (torch.bucketize was 7x slower).
+        # Midpoint i lies between codes i and i + 1; a magnitude on it goes to the even one.
+        code = torch.zeros(magnitude.shape, dtype=torch.uint8)
+        for i, midpoint in enumerate(_E2M1_MIDPOINTS.tolist()):
+            code += magnitude >= midpoint if i % 2 else magnitude > midpoint
+        code |= ((scaled < 0) & (code != 0)).to(torch.uint8) << 3
+        return _pack_nibbles(code.reshape(*weight.shape)), (exponent + E8M0_BIAS).to(torch.uint8).contiguous()
+
+    def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        scales = scales.view(torch.uint8)
+        values = _E2M1_SIGNED[_unpack_nibbles(codes).long()]
+        factor = torch.exp2(scales.float() - E8M0_BIAS)
+        factor = torch.where(scales == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
+        blocks = values.reshape(*scales.shape, self.scale_groups[0]) * factor[..., None]
+        return blocks.reshape(values.shape)
+
+    def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+        scale = scale.contiguous().view(torch.uint8)
+        nan = (scale == E8M0_NAN).nonzero()
+        if len(nan):
+            raise ValueError(f"{name} holds the E8M0 NaN code 0xFF (first at index {nan[0].tolist()})")
+        return scale
+
+
+class _Integer(WeightFormat):
+    """Symmetric integer values with float32 scales (bf16 accepted)."""
+
+    def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(scale).all():
+            raise ValueError(f"{name} holds a non-finite scale")
+        return scale.to(torch.float32)
+
+
+class _Int8(_Integer):
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = weight.float()
+        scale = w.abs().amax(dim=-1) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w / safe[..., None]).clamp(-127, 127).to(torch.int8)
+        return q.contiguous(), scale.contiguous()
+
+    def _decode(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return values.float() * scales.float()[..., None]
+
+
+class _Int4(_Integer):
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
+        scale = groups.abs().amax(dim=-1) / 7
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(groups / safe[..., None]).clamp(-7, 7).to(torch.int8).reshape(weight.shape)
+        return _pack_nibbles((q & 0x0F).to(torch.uint8)), scale.contiguous()
+
+    def _decode(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        nibbles = _unpack_nibbles(values)
+        q = nibbles.to(torch.int16) - 16 * (nibbles >= 8).to(torch.int16)  # two's complement
+        k = q.shape[-1]
+        if k % scales.shape[-1]:
+            raise ValueError(f"{self.name} scales {list(scales.shape)} do not divide the input dimension {k}")
+        group = k // scales.shape[-1]
+        return (q.float().reshape(*scales.shape, group) * scales.float()[..., None]).reshape(q.shape)
+
+
+BF16 = _Bf16("BF16")
+MXFP4 = _Mxfp4(
+    "MXFP4",
+    value_dtypes=(torch.uint8, torch.int8),
+    values_text="MXFP4 codes as uint8 or int8",
+    scale_dtypes=(torch.uint8, torch.float8_e8m0fnu),
+    scales_text="uint8 or float8_e8m0fnu (E8M0)",
+)
+INT8 = _Int8(
+    "INT8",
+    aliases=("AMXINT8", "MOE_INT8"),
+    value_dtypes=(torch.int8,),
+    values_text="INT8 weights as int8",
+    scale_dtypes=_FLOAT_SCALES,
+    scales_text="float32 or bfloat16",
+)
+INT4 = _Int4(
+    "INT4",
+    aliases=("AMXINT4", "MOE_INT4"),
+    value_dtypes=(torch.uint8, torch.int8),
+    values_text="INT4 weights as two 4-bit values per byte as uint8 or int8",
+    scale_dtypes=_FLOAT_SCALES,
+    scales_text="float32 or bfloat16",
+)
+
+#: Every format by name, in the order command-line choices list them.
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16, MXFP4, INT8, INT4)}
+#: The formats that offer a choice of group size.
+GROUP_CHOICE = tuple(name for name, f in FORMATS.items() if f.group_choice)
+#: Method names accepted (upper case), upstream aliases included, and the format each means.
+METHODS: dict[str, WeightFormat] = {m: f for f in FORMATS.values() for m in (f.name, *f.aliases)}
+
+
+def get(method: object) -> WeightFormat:
+    """The format a method name means, in any case ("AMXINT4" -> INT4); ValueError for unknown names."""
+    if not isinstance(method, str) or method.upper() not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(METHODS)}")
+    return METHODS[method.upper()]

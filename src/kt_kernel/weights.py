@@ -1,0 +1,108 @@
+"""Expert weights as the engines take them: checked, in their format's canonical layout (quantized
+on load where given as floats), mapped to slots and sliced per subpool."""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import ShapeOf, WeightFormat, require_shape
+
+#: Float dtypes accepted for weights quantized on load, and for hidden states.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: Per projection: (values, scales or None), scales [E, N, scales per row], as the engines take them.
+Canonical = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def require_cpu_tensor(name: str, value: object) -> torch.Tensor:
+    """A dense CPU tensor whose memory holds its values (a negative view is resolved)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
+    if not value.is_cpu:
+        raise ValueError(f"{name} must be on the CPU, got device {value.device}")
+    if value.is_neg():  # torch._neg_view: the engine reads memory, which holds the values unnegated
+        value = value.resolve_neg()
+    return value
+
+
+def prepare(
+    fmt: WeightFormat,
+    weights: dict[str, torch.Tensor],
+    scales: dict[str, torch.Tensor | None],
+    slot_map: torch.Tensor | None,
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+) -> tuple[Canonical, torch.Tensor]:
+    """The canonical gate/up/down of ``weights`` (gate_proj, up_proj, down_proj) and ``scales``
+    (gate_scale, ...; all None: float weights, quantized on load), and the checked slot map."""
+    given = [name for name, scale in scales.items() if scale is not None]
+    if given and not fmt.scale_groups:
+        raise ValueError(f"{fmt.name} weights take no scales, got {', '.join(given)}")
+    if given and len(given) != 3:
+        raise ValueError("pass all of gate_scale, up_scale and down_scale, or none of them")
+    for name, tensor in weights.items():
+        weights[name] = tensor = require_cpu_tensor(name, tensor)
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
+    sources = weights["gate_proj"].shape[0]
+    slot_map = check_slot_map(slot_map, sources, num_experts)
+
+    size = {"hidden_size": hidden, "moe_intermediate_size": intermediate}
+
+    def shape_of(name: str) -> ShapeOf:
+        """Projection ``name``'s shape for a last (input) dimension of K / d, and its text."""
+        rows, k = size if name.startswith("down") else reversed(size)
+        return lambda d: ((sources, size[rows], size[k] // d), f"[E, {rows}, {k}{'' if d == 1 else f'/{d}'}]")
+
+    projections = [name.removesuffix("_proj") for name in weights]
+    if given:
+        checked = [
+            fmt.check_canonical(
+                name, values, scale_name, require_cpu_tensor(scale_name, scale), shape_of(name)
+            )
+            for (name, values), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True)
+        ]
+        return dict(zip(projections, checked, strict=True)), slot_map
+    for name, tensor in weights.items():  # every tensor checked before any is quantized
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
+        require_shape(name, tensor, *shape_of(name)(1))
+    canonical = {
+        p: fmt.from_float(name, t) for p, (name, t) in zip(projections, weights.items(), strict=True)
+    }
+    return canonical, slot_map
+
+
+def check_slot_map(slot_map: torch.Tensor | None, sources: int, num_experts: int) -> torch.Tensor:
+    """int64 [num_experts]: the expert (of ``sources``) whose weights each physical slot holds."""
+    if slot_map is None:
+        if sources != num_experts:
+            raise ValueError(
+                f"the weight tensors hold {sources} experts but num_experts is {num_experts}; "
+                "pass physical_to_logical_map_cpu to map slots to experts"
+            )
+        return torch.arange(num_experts, dtype=torch.int64)
+    slot_map = require_cpu_tensor("physical_to_logical_map_cpu", slot_map)
+    if slot_map.dtype.is_floating_point or slot_map.dtype.is_complex or slot_map.dtype == torch.bool:
+        raise TypeError(f"physical_to_logical_map_cpu must be an integer tensor, got {slot_map.dtype}")
+    require_shape("physical_to_logical_map_cpu", slot_map, (num_experts,), "[num_experts]")
+    slot_map = slot_map.to(torch.int64).contiguous()
+    if slot_map.numel() and (slot_map.min() < 0 or slot_map.max() >= sources):
+        raise ValueError(f"physical_to_logical_map_cpu values must lie in [0, {sources})")
+    return slot_map
+
+
+def subpool_slice(
+    fmt: WeightFormat, canonical: Canonical, start: int, stop: int, intermediate: int
+) -> list[torch.Tensor | None]:
+    """gate, gate_scale, up, up_scale, down, down_scale of intermediate rows [start, stop), as
+    engine.load takes them: gate/up rows with their scales, and those inputs of every down row."""
+    gate, up, down = canonical["gate"], canonical["up"], canonical["down"]
+    if (start, stop) != (0, intermediate):
+        gate, up = (
+            [None if t is None else t[:, start:stop].contiguous() for t in pair] for pair in (gate, up)
+        )
+        down = fmt.slice_inputs(*down, start, stop)
+    return [*gate, *up, *down]
