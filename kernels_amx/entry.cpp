@@ -1,5 +1,5 @@
 // The amx build's kernel interface (kernels.h): the AVX512 paths (kernels_avx512/paths.cpp) with
-// BF16 and INT8 replaced by the tile GEMMs, which fall back to those paths below their tile sizes.
+// BF16, INT8 and FP8 replaced by the tile GEMMs, which fall back to those paths below their tile sizes.
 // MXFP4 and INT4 stay on AVX512 VNNI: each 32- to 128-input group's sum would have to leave the
 // tile to be scaled.
 #include <string>
@@ -14,6 +14,7 @@ Kernels with_tiles() {
   Kernels table = avx512::paths();
   table.bf16 = amx::gemm_bf16;
   table.int8 = amx::gemm_int8;
+  table.fp8 = gemm_fp8_via_bf16<amx::gemm_bf16, avx512::decode_fp8>;  // tiles on the decoded weights
   return table;
 }
 

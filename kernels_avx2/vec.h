@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include "fp8_via_bf16.h"
 #include "int_tiles.h"
 
 KT_NAMESPACE_BEGIN
@@ -14,6 +15,25 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
+
+// FP8 codes -> bf16 (fp8_via_bf16.h), 16 at a time; the subnormals by vpshufb on byte pairs.
+inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
+  const __m256i subnormals =
+      _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
+  for (size_t i = 0; i < count; i += 16) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
+    const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), _mm256_set1_epi16(kFp8NormalBias));
+    // Word m of the table is bytes 2m, 2m + 1: shuffle control (2m) | (2m + 1) << 8 per 16-bit lane.
+    const __m256i control = _mm256_add_epi16(_mm256_mullo_epi16(magnitude, _mm256_set1_epi16(0x0202)),
+                                             _mm256_set1_epi16(0x0100));
+    const __m256i subnormal = _mm256_shuffle_epi8(subnormals, control);  // bytes < 16 where used
+    const __m256i is_subnormal = _mm256_cmpgt_epi16(_mm256_set1_epi16(8), magnitude);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + i),
+                       _mm256_or_si256(_mm256_blendv_epi8(normal, subnormal, is_subnormal), sign));
+  }
+}
 
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
 inline __m256 even_bf16(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }

@@ -8,6 +8,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include "fp8_via_bf16.h"
 #include "gemm_tiles.h"
 
 KT_NAMESPACE_BEGIN
@@ -59,6 +60,20 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(bytes, 23), _mm512_set1_epi32(kE8M0ZeroBits)));
   }
 };
+
+// FP8 codes -> bf16 (fp8_via_bf16.h), 32 at a time.
+inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
+  const __m512i subnormals = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
+  for (size_t i = 0; i < count; i += 32) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
+    const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(kFp8NormalBias));
+    const __m512i subnormal = _mm512_permutexvar_epi16(magnitude, subnormals);  // index < 8 where used
+    const __mmask32 is_subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+    _mm512_store_si512(out + i, _mm512_or_si512(_mm512_mask_blend_epi16(is_subnormal, normal, subnormal), sign));
+  }
+}
 
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
 inline __m512 even_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }

@@ -5,7 +5,7 @@
 
 KT_NAMESPACE_BEGIN
 
-extern const FormatTraits kBf16Format, kMxfp4Format, kInt8Format, kInt4Format;
+extern const FormatTraits kBf16Format, kMxfp4Format, kInt8Format, kInt4Format, kFp8Format;
 
 const std::vector<const FormatTraits*>& all_formats() {
   static const std::vector<const FormatTraits*> formats = {
@@ -13,6 +13,7 @@ const std::vector<const FormatTraits*>& all_formats() {
       &kMxfp4Format,
       &kInt8Format,
       &kInt4Format,
+      &kFp8Format,
   };
   return formats;
 }

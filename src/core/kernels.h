@@ -135,6 +135,16 @@ constexpr int kMxfp4ChunkBytes = 64;
 constexpr int kInt8Offset = 128, kInt4Offset = 8;
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
+// ---- FP8 (E4M3, OCP "fn"): bf16 activations, weights decoded to bf16 in the kernel --------
+// Canonical input: codes [rows][k] uint8, float scales [rows][1] (per channel) or [rows][k/128]
+// (one per 128 inputs of a row: DeepSeek's 128 x 128 blocks, expanded along the rows).
+// Packed: per group, per input pair p, 32 bytes: row r's codes of inputs 2p, 2p+1 at bytes 2r, 2r+1
+// (zero codes pad k to even), so decoding a group byte by byte gives the BF16 layout above. Every
+// E4M3 value is exact in bf16, so the BF16 GEMM of the decoded weights is exact up to the scales,
+// which the kernel applies per block in fp32. Scales: per group, per block (one block when per
+// channel), 16 floats.
+constexpr int kFp8Block = 128;
+
 // ---- GEMM: y[i][j] = sum_k x_i[k] * W[j][k], i < x.rows, j < kGroupRows * w.groups ----------
 // fp32 accumulation; y is overwritten, row stride y_stride floats. The integer formats read
 // x.quantized. A GEMM may use x.scratch and allocates nothing: it runs inside pool jobs, which must
@@ -143,7 +153,7 @@ using GemmFn = void (*)(const Activations& x, const PackedGroups& w, float* y, s
 
 // The build's GEMM per format, chosen once by init_kernels() (entry.cpp of each kernels directory).
 struct Kernels {
-  GemmFn bf16, mxfp4, int8, int4;
+  GemmFn bf16, mxfp4, int8, int4, fp8;
 };
 const Kernels& kernels();
 
