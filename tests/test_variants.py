@@ -15,6 +15,7 @@ SUITES = [
     "tests/test_forward_bf16.py",
     "tests/test_mxfp4_kernels.py",
     "tests/test_int_kernels.py",
+    "tests/test_fp8_kernels.py",
     "tests/test_accuracy.py",
 ]
 RUNS = {

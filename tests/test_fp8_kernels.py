@@ -1,0 +1,74 @@
+"""FP8 (E4M3 "fn") kernels vs an fp64 reference decoded by torch from the SAME codes, on the build this
+process loaded (tests/test_variants.py re-runs this file under every build and AVX512 path).
+
+Every E4M3 value is exact in bf16 and the activations are bf16, so the only rounding is fp32
+accumulation: the result must match the reference to fp32 precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kt_kernel._native import ext
+
+NAN_CODES = (0x7F, 0xFF)
+
+
+def random_codes(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Every code but the NaNs, at random: subnormals, both zeros and the largest values included."""
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    return torch.where((codes == NAN_CODES[0]) | (codes == NAN_CODES[1]), torch.zeros_like(codes), codes)
+
+
+def reference_weight(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    values = codes.view(torch.float8_e4m3fn).double()
+    return values * scales.double().repeat_interleave(values.shape[1] // scales.shape[1], dim=1)
+
+
+def kernel_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], codes.shape[0])
+    ext.linear("FP8", x.view(torch.int16), codes, scales, y)
+    return y
+
+
+# (tokens, n, k, per_block): n tails, odd k (per channel), 128-input blocks, tokens 1 to 600.
+CASES = [
+    (1, 16, 128, True),
+    (1, 1, 7, False),
+    (3, 33, 7168, True),
+    (5, 17, 130, False),
+    (13, 40, 384, True),
+    (64, 48, 512, False),
+    (600, 20, 256, True),
+]
+
+
+@pytest.mark.parametrize("tokens,n,k,per_block", CASES)
+def test_linear_matches_fp64_on_the_stored_codes(tokens, n, k, per_block):
+    g = torch.Generator().manual_seed(tokens * 1000 + n + k)
+    codes = random_codes(n, k, g)
+    scales = torch.rand(n, k // 128 if per_block else 1, generator=g) * 1e-3 + 1e-4
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    weight = reference_weight(codes, scales)
+    ref = x.double() @ weight.T
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
+    err = (kernel_linear(x, codes, scales).double() - ref).abs()
+    assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
+
+
+def test_every_code_decodes_exactly():
+    """One row per code (a one-hot activation picks it): all 254 finite codes, subnormals and -0."""
+    codes = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.uint8)
+    weight = codes[:, None].repeat(1, 32).contiguous()
+    y = kernel_linear(torch.eye(32)[:1].to(torch.bfloat16), weight, torch.ones(len(codes), 1))
+    expected = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(y[0], expected)
+
+
+def test_scales_must_fit_the_format():
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    codes = torch.zeros(16, 256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="scales per row"):
+        kernel_linear(x, codes, torch.ones(16, 4))  # groups of 64: not a scale group of FP8
+    with pytest.raises(ValueError, match="scales"):
+        kernel_linear(x, codes, torch.ones(16, 2, dtype=torch.float64))  # 8-byte scales
