@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 from kt_kernel import checkpoint, convert, quant
 from kt_kernel.__main__ import main
 from kt_kernel.checkpoint import CheckpointError
-from kt_kernel.experts import IMPLEMENTED_FORMATS
 
 from moe_reference import MoEProblem, assert_close_to_reference, make_problem, moe_wrapper, reference_forward
 
@@ -26,9 +25,7 @@ FP8_MAX = 448.0
 MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
 NAMINGS = ("deepseek", "mixtral", "fused")
 DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-# INT8 and INT4 are tested once the engine runs them; their conversion is tested without the engine.
-needs_int = pytest.mark.skipif("INT8" not in IMPLEMENTED_FORMATS, reason="INT8/INT4 not in the engine yet")
-FORMATS = ["BF16", "MXFP4", pytest.param("INT8", marks=needs_int), pytest.param("INT4", marks=needs_int)]
+FORMATS = ["BF16", "MXFP4", "INT8", "INT4", "FP8"]
 
 
 def dead_pid() -> int:
@@ -162,7 +159,7 @@ def test_converted_forward_matches_source_weights(tmp_path, models, naming, dtyp
             assert_close_to_reference(out, exact)
         else:
             rel = ((out.double() - exact).norm() / exact.norm()).item()
-            assert rel < {"INT8": 0.05, "INT4": 0.25, "MXFP4": 0.3}[fmt], rel
+            assert rel < {"INT8": 0.05, "INT4": 0.25, "MXFP4": 0.3, "FP8": 0.1}[fmt], rel
 
 
 @pytest.mark.parametrize("fmt", ["BF16", "MXFP4", "INT8", "INT4"])
@@ -192,6 +189,32 @@ def test_converted_tensors_are_the_quantized_source(tmp_path, models, fmt):
             if scales is not None:
                 assert torch.equal(tensors[f"{name}_scale"][e], scales)
     assert checkpoint.read_converted_layer(tmp_path / "out", 1, 2, fmt)["down"].shape[0] == 2  # a prefix
+
+
+def test_fp8_sources_are_copied_to_fp8_as_they_are(tmp_path):
+    """H and I multiples of 128: the codes bit for bit, each block scale on the rows it covers."""
+    hidden, inter = 256, 384
+    g = torch.Generator().manual_seed(4)
+    named, stored_codes = {}, {}
+    for e in range(E):
+        for name, n, k in (
+            ("gate_proj", inter, hidden),
+            ("up_proj", inter, hidden),
+            ("down_proj", hidden, inter),
+        ):
+            values, scales = fp8_blocks(torch.randn(n, k, generator=g) / k**0.5)
+            key = f"model.layers.1.mlp.experts.{e}.{name}.weight"
+            named[key], named[key + "_scale_inv"] = values, scales
+            stored_codes[key] = values.view(torch.uint8), scales.repeat_interleave(128, dim=0)[:n]
+    (tmp_path / "src").mkdir()
+    save_file(named, str(tmp_path / "src" / "model.safetensors"))
+    convert.convert_checkpoint(tmp_path / "src", tmp_path / "out", "FP8", progress=False)
+    tensors = checkpoint.read_converted_layer(tmp_path / "out", 1, E, "FP8")
+    for name in ("gate", "up", "down"):
+        for e in range(E):
+            codes, scales = stored_codes[f"model.layers.1.mlp.experts.{e}.{name}_proj.weight"]
+            assert torch.equal(tensors[name][e], codes)
+            assert torch.equal(tensors[f"{name}_scale"][e], scales)
 
 
 def test_fp8_block_dequantization_matches_reference():

@@ -26,7 +26,7 @@ from kt_kernel.loader import load, read_cpuinfo
 
 from conftest import REPO, run_python
 
-FORMATS = ("BF16", "MXFP4", "INT8", "INT4")
+FORMATS = ("BF16", "MXFP4", "INT8", "INT4", "FP8")
 
 
 @pytest.fixture(autouse=True)

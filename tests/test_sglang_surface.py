@@ -200,7 +200,7 @@ def test_generate_gpu_experts_masks_bad_input(freq, count, error, match):
 
 # ---- writing an expert back ------------------------------------------------------------------
 # (hidden, intermediate) per method: subpool cuts and tp parts fall apart where the format allows.
-WRITE_SHAPES = {"BF16": (64, 80), "INT8": (64, 80), "INT4": (64, 256), "MXFP4": (64, 192)}
+WRITE_SHAPES = {"BF16": (64, 80), "INT8": (64, 80), "INT4": (64, 256), "MXFP4": (64, 192), "FP8": (128, 256)}
 
 
 def expected_buffers(method: str, gate, up, down, tp: int, inter: int) -> list[dict[str, torch.Tensor]]:
@@ -245,7 +245,7 @@ def assert_same_bytes(got: list[dict], expected: list[dict]) -> None:
             assert torch.equal(g[name].view(torch.uint8), e[name].view(torch.uint8)), f"part {r} {name}"
 
 
-@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "MXFP4"])
+@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "MXFP4", "FP8"])
 @pytest.mark.parametrize("pools", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_write_back_is_bit_exact(method, pools, tp):

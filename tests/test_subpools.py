@@ -21,7 +21,7 @@ from kt_kernel.info import format_cpu_info, format_numa_nodes
 
 from moe_reference import assert_close_to_reference, make_problem, moe_wrapper, reference_forward
 
-METHODS = ["BF16", "MXFP4", "INT8", "INT4"]
+METHODS = ["BF16", "MXFP4", "INT8", "INT4", "FP8"]
 
 
 def int8_activations(method: str) -> bool:

@@ -363,9 +363,7 @@ def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
-        values = torch.randint(
-            0, 256, (experts, rows, f.canonical_bytes(k)), dtype=torch.uint8, generator=gen
-        )
+        values = f.random_values((experts, rows, f.canonical_bytes(k)), gen)
         _, scale = f.quantize(torch.empty(1, k).uniform_(-1, 1, generator=gen) * (3 / k) ** 0.5)
         tensors[f"{name}_proj"] = values.view(f.value_dtypes[0])
         tensors[f"{name}_scale"] = scale.expand(experts, rows, *scale.shape[1:]).contiguous()

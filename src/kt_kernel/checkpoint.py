@@ -390,23 +390,56 @@ def read_converted_layer(
 
 def read_layer(path: str | Path, layer: int, num_experts: int, method: str) -> dict[str, torch.Tensor]:
     """Experts 0..num_experts-1 of one layer of a checkpoint directory, as the keyword arguments of
-    KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the method's format, or one
-    in the DeepSeek-V4-Flash layout for its format. NotImplementedError for any other checkpoint."""
+    KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the method's format, one in
+    the DeepSeek-V4-Flash layout (MXFP4), or a Hugging Face model directory as it ships (BF16, FP8)."""
     if read_manifest(path) is not None:
         return read_converted_layer(path, layer, num_experts, method)
     fmt = formats.get(method)
     if fmt.name == V4_FLASH_FORMAT:
         return read_v4_flash_experts(path, layer, num_experts)
-    raise NotImplementedError(
-        f"{path} holds no {MANIFEST_NAME}; convert it first with "
-        f"`kt-kernel convert {path} OUTPUT_DIR --format {fmt.name.lower()}`"
-    )
+    return read_source_layer(path, layer, num_experts, fmt)
+
+
+def read_source_layer(
+    path: str | Path, layer: int, num_experts: int, fmt: formats.WeightFormat
+) -> dict[str, torch.Tensor]:
+    """One layer of a Hugging Face model directory, tensor by tensor, stored values as they are:
+    BF16 (F16, F32) weights, or FP8 codes with their scales (``weight_scale_inv`` per 128 x 128
+    block, or ``weight_scale`` per output channel). ValueError when the weights on disk are not in
+    ``fmt``; NotImplementedError for a format this reader does not take from a source directory."""
+    if fmt.name not in _SOURCE_FORMATS:
+        raise NotImplementedError(
+            f"{fmt.name} weights are read from converted checkpoints: convert {path} first with "
+            f"`kt-kernel convert {path} OUTPUT_DIR --format {fmt.name.lower()}`"
+        )
+    source = ExpertSource(Path(path), index_checkpoint(path))
+    with source.opened():
+        if layer not in source.experts:
+            raise CheckpointError(f"{path} holds no routed experts of layer {layer}")
+        described = source.describe(layer)
+        on_disk = "FP8" if _FP8_DTYPE in described.dtypes else "BF16"
+        if on_disk != fmt.name:
+            stored = ", ".join(sorted(described.dtypes))
+            raise ValueError(f"{path} layer {layer} holds {on_disk} experts ({stored}), not {fmt.name}")
+        if described.experts < num_experts:
+            raise CheckpointError(
+                f"{path} layer {layer} holds {described.experts} experts, not {num_experts}"
+            )
+        result: dict[str, torch.Tensor] = {}
+        for expert in range(num_experts):
+            for name, tensors in zip(PROJECTIONS, source.read_stored(described, expert), strict=True):
+                for out, tensor in zip((name, f"{name}_scale"), tensors, strict=False):
+                    if expert == 0:
+                        result[out] = torch.empty((num_experts, *tensor.shape), dtype=tensor.dtype)
+                    result[out][expert] = tensor
+    return result
 
 
 # ---- Hugging Face source checkpoints (read by kt-kernel convert) ---------------------------------
 FP8_BLOCK = 128
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _FP8_DTYPE = "F8_E4M3"
+_SOURCE_FORMATS = ("BF16", "FP8")  # what read_source_layer takes from a Hugging Face directory
 _PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
 
 
@@ -548,19 +581,42 @@ class ExpertSource:
     def _checked_header(self, key: str) -> tuple[str, list[int]]:
         dtype, shape = self.reader.header(key)
         if dtype == _FP8_DTYPE:
-            scale_key = key + "_scale_inv"
-            blocks = [-(-size // FP8_BLOCK) for size in shape]
+            scale_key, expected = self._fp8_scale(key, shape)
             scale_shape = self.reader.header(scale_key)[1]
-            if scale_shape != blocks:
+            if scale_shape not in expected:
+                shapes = " or ".join(map(str, expected))
                 raise CheckpointError(
-                    f"tensor {scale_key!r} has shape {scale_shape}, expected {blocks} "
-                    f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} block of {key!r} {shape})"
+                    f"tensor {scale_key!r} has shape {scale_shape}, expected {shapes} "
+                    f"(the scales of {key!r} {shape})"
                 )
         elif dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"tensor {key!r} has dtype {dtype}; expected BF16, F16, F32 or F8_E4M3")
         if len(shape) != 2:
             raise CheckpointError(f"tensor {key!r} has shape {shape}, expected 2-D")
         return dtype, shape
+
+    def _fp8_scale(self, key: str, shape: list[int]) -> tuple[str, list[list[int]]]:
+        """The scale tensor of an FP8 weight and the shapes it may have: DeepSeek's
+        ``weight_scale_inv`` per 128 x 128 block, or compressed-tensors' ``weight_scale`` per row."""
+        if key + "_scale_inv" in self.reader or key + "_scale" not in self.reader:
+            return key + "_scale_inv", [[-(-size // FP8_BLOCK) for size in shape]]
+        return key + "_scale", [[shape[0], 1], [shape[0]]]
+
+    def read_stored(self, layer: MoELayer, expert: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per projection of one expert, the weight as stored and, for FP8, its scales: (codes
+        uint8, scales float32); float weights as (weight,)."""
+        if self.naming.fused:
+            return [(weight,) for weight in self.read_expert(layer, expert)]
+        stored = []
+        for projection in range(3):
+            key = self.key(projection, layer.index, expert)
+            weight = self.reader.read(key)
+            if weight.dtype != torch.float8_e4m3fn:
+                stored.append((weight,))
+                continue
+            scale = self.reader.read(self._fp8_scale(key, list(weight.shape))[0]).float()
+            stored.append((weight.view(torch.uint8), scale))
+        return stored
 
     def read_expert(self, layer: MoELayer, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """gate [I, H], up [I, H], down [H, I] of one expert, in the source's precision (FP8 dequantized)."""
@@ -572,6 +628,9 @@ class ExpertSource:
 
     def _read_weight(self, key: str) -> torch.Tensor:
         weight = self.reader.read(key)
-        if weight.dtype == torch.float8_e4m3fn:
-            return dequantize_fp8_blocks(weight, self.reader.read(key + "_scale_inv"))
-        return weight
+        if weight.dtype != torch.float8_e4m3fn:
+            return weight
+        scale_key = self._fp8_scale(key, list(weight.shape))[0]
+        if scale_key.endswith("_scale_inv"):
+            return dequantize_fp8_blocks(weight, self.reader.read(scale_key))
+        return weight.float() * self.reader.read(scale_key).float().reshape(-1, 1)

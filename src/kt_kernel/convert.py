@@ -260,15 +260,24 @@ def _layer_is_complete(output: Path, done: dict, layer: MoELayer, fmt: str) -> b
 def _convert_layer(
     source: ExpertSource, layer: MoELayer, fmt: WeightFormat, group_size: int | None, progress: Progress
 ) -> dict[str, torch.Tensor]:
-    """Quantize a layer expert by expert into stacked [E, ...] tensors named blk.{L}.ffn_*_exps.*."""
+    """Quantize a layer expert by expert into stacked [E, ...] tensors named blk.{L}.ffn_*_exps.*.
+    FP8 sources converted to FP8 are copied as they are (their scales put in the canonical layout)
+    where their 128 x 128 scale blocks fit whole along K (H and I multiples of 128); elsewhere they
+    are quantized again from the values they mean, like any other source."""
     out: dict[str, torch.Tensor] = {}
+    fits = layer.hidden % formats.FP8_BLOCK == 0 and layer.intermediate % formats.FP8_BLOCK == 0
+    copy = fmt is formats.FP8 and "F8_E4M3" in layer.dtypes and fits
     for expert in range(layer.experts):
-        weights = source.read_expert(layer, expert)
+        weights = source.read_stored(layer, expert) if copy else source.read_expert(layer, expert)
         for p, projection in enumerate(PROJECTIONS):
+            where = source.describe_weight(p, layer.index, expert)
             try:
-                values, scales = fmt.quantize(weights[p], group_size)
+                if copy:
+                    codes, scale = weights[p]
+                    values, scales = formats.FP8.stored(where, codes, f"{where} scale", scale)
+                else:
+                    values, scales = fmt.quantize(weights[p], group_size)
             except ValueError as error:  # the sizes were checked: this is the data (NaN, Inf)
-                where = source.describe_weight(p, layer.index, expert)
                 raise CheckpointError(f"tensor {where} cannot be converted: {error}") from error
             for kind, tensor in (("weight", values), ("scale", scales)):
                 if tensor is None:

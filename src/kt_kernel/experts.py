@@ -529,8 +529,8 @@ class KTMoEWrapper:
             fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
             tp = _require_int("gpu_tp_count", gpu_tp_count, 1)
             down_group = self._scale_groups["down"]
-            if inter % tp or (inter // tp) % down_group:
-                keep = f" into whole blocks of {down_group} inputs per down scale" if down_group > 1 else ""
+            if inter % tp or (inter // tp) % max(down_group, 1):
+                keep = f" into whole blocks of {down_group} inputs per down scale" if down_group else ""
                 raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
             expert = _require_int("expert_id", expert_id, 0)
             if expert >= self.num_experts:
@@ -568,7 +568,7 @@ class KTMoEWrapper:
                         )  # fmt: skip
                     # A per-row down scale is the same in every part.
                     column = fmt.canonical_bytes(lo - first)
-                    scale_column = 0 if fmt.row_scales else fmt.canonical_scale_bytes(lo - first, down_group)
+                    scale_column = fmt.canonical_scale_bytes(lo - first, down_group) if down_group else 0
                     sp.engine.unpack(
                         "down", expert, 0, H, lo - sp.start, hi - lo,
                         w2[r] + column, part_bytes, s2[r] + scale_column, part_scale_bytes,

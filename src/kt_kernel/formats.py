@@ -44,6 +44,8 @@ E8M0_NAN = 0xFF
 _E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)])
 _E2M1_SIGNED = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES])
 _FLOAT_SCALES = (torch.float32, torch.bfloat16)
+FP8_MAX = 448.0  # the largest E4M3 "fn" value
+FP8_BLOCK = 128  # DeepSeek's scale blocks: 128 x 128 weights
 
 #: A projection's expected shape for a last dimension of K / d, and how a message writes it.
 ShapeOf = Callable[[int], tuple[tuple[int, ...], str]]
@@ -92,19 +94,14 @@ class WeightFormat:
                 object.__setattr__(self, rule.name, native[rule.name])
 
     @property
-    def row_scales(self) -> bool:
-        """One scale per output row: every slice of K shares it."""
-        return self.scale_groups == (0,)
-
-    @property
     def group_scales(self) -> bool:
-        """One scale per group of inputs along K: a cut along K must fall between groups."""
-        return bool(self.scale_groups) and not self.row_scales
+        """Scales may be per group of inputs along K: a cut along K must fall between groups."""
+        return any(group > 0 for group in self.scale_groups)
 
     @property
     def group_choice(self) -> bool:
         """Quantizing may use any of several group sizes (``group_size``)."""
-        return len(self.scale_groups) > 1
+        return sum(group > 0 for group in self.scale_groups) > 1
 
     @property
     def tensor_kinds(self) -> tuple[str, ...]:
@@ -185,7 +182,7 @@ class WeightFormat:
         require_shape(name, values, *shape_of(8 // self.value_bits))
         if scale.dtype not in self.scale_dtypes:
             raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
-        if self.row_scales:
+        if self.scale_groups == (0,):
             require_shape(scale_name, scale, tuple(values.shape[:2]), "[E, N]")
         else:
             require_shape(
@@ -222,16 +219,19 @@ class WeightFormat:
         return values.shape[-1] * self._inputs_per_element(values)
 
     def scale_group(self, values: torch.Tensor, scale: torch.Tensor | None) -> int:
-        """The inputs one scale of a canonical (values, scale) pair covers; 1 without group scales."""
-        return self.inputs(values) // scale.shape[-1] if self.group_scales else 1
+        """The inputs one scale of a canonical (values, scale) pair covers: 0 for one scale per row
+        (or no scales), else its group size."""
+        if scale is None or (0 in self.scale_groups and scale.shape[-1] == 1):
+            return 0
+        return self.inputs(values) // scale.shape[-1]
 
     def slice_inputs(
         self, values: torch.Tensor, scale: torch.Tensor | None, start: int, stop: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Inputs [start, stop) of every row of a canonical (values, scale) pair: values by their
         packing, group scales by group; a per-row scale covers every slice and stays whole."""
-        if self.group_scales:
-            group = self.scale_group(values, scale)
+        group = self.scale_group(values, scale)
+        if group:
             scale = scale[..., start // group : stop // group].contiguous()
         per_element = self._inputs_per_element(values)
         return values[..., start // per_element : stop // per_element].contiguous(), scale
@@ -241,8 +241,12 @@ class WeightFormat:
         return inputs * self.value_bits // 8
 
     def canonical_scale_bytes(self, inputs: int, group: int) -> int:
-        """Bytes of the canonical scales of ``inputs`` values of one row (per-row scales: the row's)."""
-        return self.scale_bytes if self.row_scales else inputs // group * self.scale_bytes
+        """Bytes of the canonical scales of ``inputs`` values of one row (group 0: the row's scale)."""
+        return self.scale_bytes if group == 0 else inputs // group * self.scale_bytes
+
+    def random_values(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """Random canonical value bytes (uint8) that the format accepts: for benchmarks."""
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
 
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
@@ -301,8 +305,8 @@ class _Mxfp4(WeightFormat):
         return scale
 
 
-class _Integer(WeightFormat):
-    """Symmetric integer values with float32 scales (bf16 accepted)."""
+class _FloatScaled(WeightFormat):
+    """Values with finite float32 scales (bf16 accepted)."""
 
     def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
         if not torch.isfinite(scale).all():
@@ -310,7 +314,7 @@ class _Integer(WeightFormat):
         return scale.to(torch.float32)
 
 
-class _Int8(_Integer):
+class _Int8(_FloatScaled):
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight.float()
         scale = w.abs().amax(dim=-1) / 127
@@ -322,7 +326,7 @@ class _Int8(_Integer):
         return values.float() * scales.float()[..., None]
 
 
-class _Int4(_Integer):
+class _Int4(_FloatScaled):
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         groups = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
         scale = groups.abs().amax(dim=-1) / 7
@@ -338,6 +342,69 @@ class _Int4(_Integer):
             raise ValueError(f"{self.name} scales {list(scales.shape)} do not divide the input dimension {k}")
         group = k // scales.shape[-1]
         return (q.float().reshape(*scales.shape, group) * scales.float()[..., None]).reshape(q.shape)
+
+
+class _Fp8(_FloatScaled):
+    """E4M3 ("fn") codes, one byte per weight, with a float32 scale per output row or per 128
+    inputs; DeepSeek's scales per 128 x 128 block are expanded along the rows on load."""
+
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = weight.float().reshape(*weight.shape[:-1], -1, group or weight.shape[-1])
+        scale = blocks.abs().amax(dim=-1) / FP8_MAX
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = (blocks / safe[..., None]).to(torch.float8_e4m3fn).reshape(weight.shape)
+        return codes.view(torch.uint8).contiguous(), scale.contiguous()
+
+    def _decode(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        w = values.view(torch.float8_e4m3fn).float()
+        group = w.shape[-1] // scales.shape[-1]
+        return (w.reshape(*scales.shape, group) * scales.float()[..., None]).reshape(w.shape)
+
+    def check_canonical(
+        self, name: str, values: torch.Tensor, scale_name: str, scale: torch.Tensor, shape_of: ShapeOf
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if values.dtype not in self.value_dtypes:
+            raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
+        require_shape(name, values, *shape_of(1))
+        if scale.dtype not in self.scale_dtypes:
+            raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
+        return self.stored(name, values, scale_name, scale)
+
+    def stored(
+        self, name: str, codes: torch.Tensor, scale_name: str, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 codes ``[..., N, K]`` and their scales as a checkpoint stores them -> canonical
+        (uint8 codes, float32 scales ``[..., N, scales per row]``): ``[..., N]`` or ``[..., N, 1]``
+        per channel, ``[..., N/128, K/128]`` rounded up (DeepSeek's 128 x 128 blocks, expanded along
+        N) or ``[..., N, K/128]``. ValueError for a NaN code or a scale that fits none of these."""
+        codes = codes.contiguous().view(torch.uint8)
+        nan = ((codes & 0x7F) == 0x7F).nonzero()
+        if len(nan):
+            raise ValueError(f"{name} holds an FP8 NaN code (0x7F or 0xFF; first at index {nan[0].tolist()})")
+        *lead, n, k = codes.shape
+        blocks = (*lead, -(-n // FP8_BLOCK), k // FP8_BLOCK)
+        shape = tuple(scale.shape)
+        if shape in ((*lead, n), (*lead, n, 1)):
+            scale = scale.reshape(*lead, n, 1)
+        elif k % FP8_BLOCK == 0 and shape == (*lead, n, k // FP8_BLOCK):
+            pass
+        elif k % FP8_BLOCK == 0 and shape == blocks:
+            scale = scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
+        else:
+            raise ValueError(
+                f"{scale_name} must have shape {[*lead, n]} (per channel), {list(blocks)} (scales per "
+                f"{FP8_BLOCK} x {FP8_BLOCK} block) or {[*lead, n, k // FP8_BLOCK]}, got {list(shape)}"
+                + (
+                    ""
+                    if k % FP8_BLOCK == 0
+                    else f" (block scales need K = {k} to be a multiple of {FP8_BLOCK})"
+                )
+            )
+        return codes, self._checked_scales(scale_name, scale.contiguous())
+
+    def random_values(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        values = super().random_values(shape, generator)
+        return torch.where((values & 0x7F) == 0x7F, torch.zeros_like(values), values)
 
 
 BF16 = _Bf16("BF16")
@@ -365,8 +432,17 @@ INT4 = _Int4(
     scales_text="float32 or bfloat16",
 )
 
+FP8 = _Fp8(
+    "FP8",
+    aliases=("FP8_PERCHANNEL",),
+    value_dtypes=(torch.uint8, torch.float8_e4m3fn),
+    values_text="FP8 E4M3 codes as uint8 or float8_e4m3fn",
+    scale_dtypes=_FLOAT_SCALES,
+    scales_text="float32 or bfloat16",
+)
+
 #: Every format by name, in the order command-line choices list them.
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16, MXFP4, INT8, INT4)}
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16, MXFP4, INT8, INT4, FP8)}
 #: The formats that offer a choice of group size.
 GROUP_CHOICE = tuple(name for name, f in FORMATS.items() if f.group_choice)
 #: Method names accepted (upper case), upstream aliases included, and the format each means.

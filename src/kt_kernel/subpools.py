@@ -26,7 +26,7 @@ def intermediate_granularity(weight_format: str, intermediate: int) -> int:
     a zero-padded, wasted group in two subpools.
     """
     fmt = formats.get(weight_format)
-    return fmt.choose_group(intermediate) if fmt.group_scales else ext.GROUP_ROWS
+    return (fmt.choose_group(intermediate) if fmt.group_scales else 0) or ext.GROUP_ROWS
 
 
 def split_intermediate(intermediate: int, count: int, granularity: int) -> list[tuple[int, int]]:
