@@ -18,6 +18,7 @@ experts by one of NAMINGS and reads them one expert at a time, FP8 block-scaled 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -404,9 +405,11 @@ def read_source_layer(
     path: str | Path, layer: int, num_experts: int, fmt: formats.WeightFormat
 ) -> dict[str, torch.Tensor]:
     """One layer of a Hugging Face model directory, tensor by tensor, stored values as they are:
-    BF16 (F16, F32) weights, or FP8 codes with their scales (``weight_scale_inv`` per 128 x 128
-    block, or ``weight_scale`` per output channel). ValueError when the weights on disk are not in
-    ``fmt``; NotImplementedError for a format this reader does not take from a source directory."""
+    BF16 (F16, F32) weights; FP8 codes with their scales (``weight_scale_inv`` per 128 x 128 block,
+    or ``weight_scale`` per output channel); INT4 as compressed-tensors packs it (``weight_packed``,
+    RAWINT4) or GPTQ does (``qweight``, symmetric), as INT4 values and scales. ValueError when the
+    weights on disk are not in ``fmt``; NotImplementedError for a format this reader does not take
+    from a source directory."""
     if fmt.name not in _SOURCE_FORMATS:
         raise NotImplementedError(
             f"{fmt.name} weights are read from converted checkpoints: convert {path} first with "
@@ -417,7 +420,8 @@ def read_source_layer(
         if layer not in source.experts:
             raise CheckpointError(f"{path} holds no routed experts of layer {layer}")
         described = source.describe(layer)
-        on_disk = "FP8" if _FP8_DTYPE in described.dtypes else "BF16"
+        dtypes = described.dtypes
+        on_disk = "FP8" if _FP8_DTYPE in dtypes else "INT4" if _INT4_DTYPE in dtypes else "BF16"
         if on_disk != fmt.name:
             stored = ", ".join(sorted(described.dtypes))
             raise ValueError(f"{path} layer {layer} holds {on_disk} experts ({stored}), not {fmt.name}")
@@ -439,8 +443,11 @@ def read_source_layer(
 FP8_BLOCK = 128
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 _FP8_DTYPE = "F8_E4M3"
-_SOURCE_FORMATS = ("BF16", "FP8")  # what read_source_layer takes from a Hugging Face directory
+_SOURCE_FORMATS = ("BF16", "FP8", "INT4")  # what read_source_layer takes from a Hugging Face directory
 _PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
+# A weight, or the packed INT4 of compressed-tensors (Kimi-K2-Thinking) or of GPTQ.
+_WEIGHT_SUFFIX = r"(?:weight|weight_packed|qweight)$"
+_INT4_DTYPE = "I4"  # how MoELayer.dtypes names INT4 sources (their tensors are I32)
 
 
 @dataclass(frozen=True)
@@ -458,12 +465,12 @@ _FUSED = "{prefix}layers.{layer}.mlp.experts.%s"
 NAMINGS = (
     Naming(
         "mlp.experts.{e}.{gate,up,down}_proj",
-        re.compile(_PREFIX + r"mlp\.experts\.(?P<expert>\d+)\.(?:gate|up|down)_proj\.weight$"),
+        re.compile(_PREFIX + r"mlp\.experts\.(?P<expert>\d+)\.(?:gate|up|down)_proj\." + _WEIGHT_SUFFIX),
         tuple(_PER_EXPERT % ("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")),
     ),
     Naming(
         "block_sparse_moe.experts.{e}.{w1,w3,w2}",
-        re.compile(_PREFIX + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w[123]\.weight$"),
+        re.compile(_PREFIX + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w[123]\." + _WEIGHT_SUFFIX),
         tuple(_PER_EXPERT % ("block_sparse_moe", p) for p in ("w1", "w3", "w2")),
     ),
     Naming(
@@ -492,6 +499,32 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
     n, k = weight.shape
     scale = scale_inv.float().repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
     return weight.float() * scale
+
+
+def gptq_to_int4(
+    name: str,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    zero_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric 4-bit GPTQ weight -> canonical INT4 (values [N, K/2], scales [N, K/G] float32):
+    qweight int32 [K/8, N] and qzeros int32 [K/G, N/8] pack eight 4-bit values along K (qweight) or
+    N (qzeros), low bits first; w[n, k] = (q - z) * s with z = the stored zero + zero_offset, which
+    must be 8 for every group (symmetric) to be INT4. NotImplementedError for other zero points or
+    for an act-order g_idx (desc_act=True), which reorders the groups."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = (qweight.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
+    q = q.reshape(-1, qweight.shape[1]).T  # [N, K]
+    k, groups = q.shape[1], scales.shape[0]
+    zeros = ((qzeros.to(torch.int32)[:, :, None] >> shifts) & 0xF).reshape(groups, -1)[:, : q.shape[0]]
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k // groups)):
+        raise NotImplementedError(f"{name}: GPTQ with act-order (desc_act=True, a reordering g_idx)")
+    if not torch.all(zeros + zero_offset == 8):
+        raise NotImplementedError(f"{name}: asymmetric GPTQ (zero points other than 8) is not supported")
+    nibbles = ((q - 8) & 0xF).to(torch.uint8)
+    return (nibbles[:, 0::2] | nibbles[:, 1::2] << 4).contiguous(), scales.float().T.contiguous()
 
 
 class ExpertSource:
@@ -579,6 +612,8 @@ class ExpertSource:
         return MoELayer(layer, gate_up[0], down[1], down[2], frozenset({gate_up_dtype, down_dtype}))
 
     def _checked_header(self, key: str) -> tuple[str, list[int]]:
+        if key not in self.reader and self._int4_layout(key):
+            return _INT4_DTYPE, self._int4_shape(key)
         dtype, shape = self.reader.header(key)
         if dtype == _FP8_DTYPE:
             scale_key, expected = self._fp8_scale(key, shape)
@@ -602,14 +637,48 @@ class ExpertSource:
             return key + "_scale_inv", [[-(-size // FP8_BLOCK) for size in shape]]
         return key + "_scale", [[shape[0], 1], [shape[0]]]
 
+    def _int4_layout(self, key: str) -> str | None:
+        """How the packed INT4 weight named like ``key`` (``....weight``) is stored, if it is."""
+        base = key.removesuffix("weight")
+        for layout, suffix in (("packed", "weight_packed"), ("gptq", "qweight")):
+            if base + suffix in self.reader:
+                return layout
+        return None
+
+    def _int4_shape(self, key: str) -> list[int]:
+        """[N, K] of a packed INT4 weight, its companion tensors checked (headers only)."""
+        base = key.removesuffix("weight")
+        if self._int4_layout(key) == "packed":
+            names, words = ("weight_packed", "weight_scale"), self.reader.header(base + "weight_packed")
+            n, k = words[1][0], 8 * words[1][-1]
+            scale = self.reader.header(base + "weight_scale")[1]
+            rows, groups = scale if len(scale) == 2 else (None, None)
+        else:
+            names, words = ("qweight", "scales"), self.reader.header(base + "qweight")
+            n, k = words[1][-1], 8 * words[1][0]
+            scale = self.reader.header(base + "scales")[1]
+            groups, rows = scale if len(scale) == 2 else (None, None)
+        if words[0] != "I32" or len(words[1]) != 2:
+            raise CheckpointError(f"tensor {base + names[0]!r} must be I32 [2-D], got {words[0]} {words[1]}")
+        if rows != n or not groups or k % groups or k // groups not in formats.INT4.scale_groups:
+            raise CheckpointError(
+                f"tensor {base + names[1]!r} has shape {scale}: not one scale per 32, 64 or 128 of the "
+                f"{k} inputs of each of the {n} rows"
+            )
+        return [n, k]
+
     def read_stored(self, layer: MoELayer, expert: int) -> list[tuple[torch.Tensor, ...]]:
-        """Per projection of one expert, the weight as stored and, for FP8, its scales: (codes
-        uint8, scales float32); float weights as (weight,)."""
+        """Per projection of one expert, the weight as stored and, where it has them, its scales:
+        FP8 (codes uint8, scales float32), INT4 (canonical INT4 values, scales float32); float
+        weights as (weight,)."""
         if self.naming.fused:
             return [(weight,) for weight in self.read_expert(layer, expert)]
         stored = []
         for projection in range(3):
             key = self.key(projection, layer.index, expert)
+            if key not in self.reader and self._int4_layout(key):
+                stored.append(self._read_int4(key))
+                continue
             weight = self.reader.read(key)
             if weight.dtype != torch.float8_e4m3fn:
                 stored.append((weight,))
@@ -618,8 +687,40 @@ class ExpertSource:
             stored.append((weight.view(torch.uint8), scale))
         return stored
 
+    def _read_int4(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed INT4 weight as canonical INT4: (two's complement nibbles [N, K/2], scales [N, K/G])."""
+        base = key.removesuffix("weight")
+        if self._int4_layout(key) == "packed":  # eight q + 8 per int32, low bits first
+            words = self.reader.read(base + "weight_packed").contiguous()
+            return words.view(torch.uint8) ^ 0x88, self.reader.read(base + "weight_scale").float()
+        return gptq_to_int4(
+            key,
+            self.reader.read(base + "qweight"),
+            self.reader.read(base + "qzeros"),
+            self.reader.read(base + "scales"),
+            self.reader.read(base + "g_idx") if base + "g_idx" in self.reader else None,
+            self.gptq_zero_offset,
+        )
+
+    @functools.cached_property
+    def gptq_zero_offset(self) -> int:
+        """What GPTQ's stored zero points lack: 1 in the common "gptq" format, 0 in "gptq_v2"
+        (``quantization_config.checkpoint_format`` of config.json). ValueError for bits other than 4."""
+        config_file = self.path / "config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        quant = config.get("quantization_config", {}) if isinstance(config, dict) else {}
+        quant = quant if isinstance(quant, dict) else {}
+        if quant.get("bits", 4) != 4:
+            raise ValueError(
+                f"{config_file}: GPTQ bits = {quant.get('bits')!r}; only 4-bit GPTQ is supported"
+            )
+        return 0 if quant.get("checkpoint_format") == "gptq_v2" else 1
+
     def read_expert(self, layer: MoELayer, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate [I, H], up [I, H], down [H, I] of one expert, in the source's precision (FP8 dequantized)."""
+        """gate [I, H], up [I, H], down [H, I] of one expert, in the source's precision (FP8 and
+        INT4 dequantized)."""
+        if layer.dtypes & {_INT4_DTYPE}:
+            return tuple(formats.INT4.dequantize(*stored) for stored in self.read_stored(layer, expert))
         if self.naming.fused:
             gate_up = self.reader.read(self.key(0, layer.index, 0), expert)
             down = self.reader.read(self.key(2, layer.index, 0), expert)

@@ -425,7 +425,7 @@ INT8 = _Int8(
 )
 INT4 = _Int4(
     "INT4",
-    aliases=("AMXINT4", "MOE_INT4"),
+    aliases=("AMXINT4", "MOE_INT4", "RAWINT4", "GPTQ_INT4"),
     value_dtypes=(torch.uint8, torch.int8),
     values_text="INT4 weights as two 4-bit values per byte as uint8 or int8",
     scale_dtypes=_FLOAT_SCALES,
