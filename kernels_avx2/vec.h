@@ -21,6 +21,7 @@ inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   const __m256i subnormals =
       _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
   for (size_t i = 0; i < count; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
     const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
     const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
     const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), _mm256_set1_epi16(kFp8NormalBias));

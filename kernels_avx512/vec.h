@@ -65,6 +65,7 @@ struct Vec {
 inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   const __m512i subnormals = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
   for (size_t i = 0; i < count; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
     const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
     const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
     const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(kFp8NormalBias));

@@ -17,6 +17,10 @@ KT_NAMESPACE_BEGIN
 constexpr uint16_t kFp8NormalBias = 120 << 7;
 alignas(64) constexpr uint16_t kFp8SubnormalBf16[8] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
 
+// The decoders prefetch the codes this far ahead: a group's codes are one stream along K, read
+// a block at a time between GEMMs, too slowly for the hardware prefetcher alone to keep DRAM busy.
+constexpr int kFp8PrefetchBytes = 4096;
+
 // Decode(codes, out, count): count bf16 from count codes, count a multiple of 32.
 using Fp8DecodeFn = void (*)(const uint8_t* codes, bf16_t* out, size_t count);
 
