@@ -43,7 +43,7 @@ def inputs(tokens: int = 3):
 @pytest.mark.parametrize(
     "overrides,error,match",
     [
-        ({"method": "GPTQ_INT4"}, ValueError, "unknown method 'GPTQ_INT4'.*BF16.*FP8_PERCHANNEL"),
+        ({"method": "NVFP4"}, ValueError, "unknown method 'NVFP4'.*BF16.*FP8_PERCHANNEL"),
         ({"method": None}, ValueError, "unknown method"),
         ({"num_experts_per_tok": 9}, ValueError, "num_experts_per_tok \\(9\\) cannot exceed num_experts"),
         ({"cpuinfer_threads": 0}, ValueError, "cpuinfer_threads must be >= 1"),
