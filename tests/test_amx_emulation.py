@@ -45,6 +45,23 @@ def test_linear_on_emulated_tiles(emulated, tokens, n, k, tiled):
     assert torch.all((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
+@pytest.mark.parametrize("tokens,per_block", [(64, True), (40, False)])
+def test_fp8_decoded_onto_emulated_tiles(emulated, tokens, per_block):
+    """FP8 codes decoded to bf16 run on the AMX-BF16 tile code, exact to fp32 rounding."""
+    g = torch.Generator().manual_seed(tokens)
+    n, k = 48, 256
+    codes = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    scales = torch.rand(n, k // 128 if per_block else 1, generator=g) + 0.5
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    y = torch.empty(tokens, n)
+    before = tile_products(emulated)
+    emulated.linear("FP8", x.view(torch.int16), codes.view(torch.uint8), scales, y)
+    assert tile_products(emulated) > before
+    w = codes.double() * scales.double().repeat_interleave(k // scales.shape[1], dim=1)
+    ref = x.double() @ w.T
+    assert torch.all((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ w.abs().T) + 1e-30)
+
+
 def test_moe_forward_on_emulated_tiles(emulated):
     """Gate/up read routed (gathered) rows, down contiguous ones: both through the tiles."""
     p = make_problem(experts=6, top_k=2, hidden=128, inter=96, tokens=80, seed=3)
