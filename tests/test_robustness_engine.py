@@ -241,6 +241,36 @@ def test_fork_child_runs_forwards_or_raises(moe, expected, case):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+@pytest.mark.parametrize("method", ["BF16", "INT4"])
+def test_workers_late_or_sharing_one_cpu_give_the_same_results(tmp_path, method):
+    """Four workers and the caller on ONE CPU, the caller busy between calls (as a model's other work
+    keeps it): workers start late or not at all during a call, the caller stands in for them, and a
+    late one passes through a call whose work is done. Three layers take turns on the pool, and one
+    layer is also called back to back; every output must be the one of an ordinary run."""
+    moe = loaded_wrapper(method)
+    expected = [moe.forward(*inputs(seed)) for seed in range(3)]
+    torch.save(expected, tmp_path / "expected.pt")
+    script = f"""
+import os, sys, time, torch
+os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})  # the worker threads inherit it
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_robustness_engine import inputs, loaded_wrapper
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+layers = [loaded_wrapper({method!r}, cpuinfer_threads=4, layer_idx=i) for i in range(3)]
+calls = [(moe, seed, 0.002) for _ in range(15) for seed, moe in enumerate(layers)]
+calls += [(layers[0], seed % 3, 0.0) for seed in range(300)]
+for moe, seed, busy_s in calls:
+    busy_until = time.perf_counter() + busy_s  # 2 ms: long enough for idle workers to fall asleep
+    while time.perf_counter() < busy_until:
+        pass
+    moe.submit_forward(*inputs(seed))
+    if not torch.equal(moe.sync_forward(), expected[seed]):
+        sys.exit(f"layer {{moe.layer_idx}}, inputs {{seed}}: a different result")
+"""
+    result = run_python(script, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
 def test_ten_thousand_forwards_keep_rss_flat():
     if SANITIZED:
         pytest.skip("AddressSanitizer keeps freed memory in quarantine: RSS grows by design")

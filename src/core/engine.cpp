@@ -226,7 +226,7 @@ MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr
   require(shape.hidden <= format.max_k && shape.intermediate <= format.max_k,
           std::string(format.name) + " needs hidden_size and moe_intermediate_size <= " +
               std::to_string(format.max_k));
-  scratch_.resize(pool_->size());
+  scratch_.resize(pool_->size() + 1);  // the last for the caller of sync()
   parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
   hidden_q_.parts = activation_q_.parts = parts_;
 }
@@ -236,10 +236,10 @@ std::unique_ptr<MoEEngine> MoEEngine::twin() const {
 }
 
 MoEEngine::~MoEEngine() {
-  if (!pending_ || ran_inline_) return;
+  if (!job_in_pool_) return;
   try {
-    pool_->wait(job_);  // the workers write into buffers this object owns
-  } catch (...) {  // a forked child: the work is lost and nothing runs on these buffers
+    pool_->wait_until_left(job_);  // the workers use buffers this object owns
+  } catch (...) {  // no threads could be started again in a forked child: nothing runs here
   }
 }
 
@@ -324,6 +324,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   if (!weights_->loaded) throw std::logic_error("weights are not loaded");
   if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
   require(tokens >= 1, "the engine needs at least one token");
+  if (job_in_pool_) pool_->wait_until_left(job_), job_in_pool_ = false;  // nobody reads the old call
   const int E = shape_.num_experts, K = shape_.top_k;
   require(int64_t(tokens) * K <= INT32_MAX, "tokens * num_experts_per_tok must be < 2^31");
 
@@ -388,28 +389,56 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   out_ = out;
   out_f32_ = out_f32;
   tokens_ = tokens;
-  gate_up_tasks_ = int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), kBlockGroups);
-  down_tasks_ = ceil_div(packed_groups(shape_.hidden), kBlockGroups);
-  next_gate_up_task_.store(0);
-  next_down_task_.store(0);
+  quantize_hidden_.reset(quantized_activations_ ? tokens : 0);
+  gate_up_.reset(int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), kBlockGroups));
+  quantize_activation_.reset(quantized_activations_ ? total_rows : 0);
+  down_.reset(ceil_div(packed_groups(shape_.hidden), kBlockGroups));
+  call_done_.store(false);
+  workers_in_.store(0);
   failed_.store(false);
   failure_ = nullptr;
   pending_ = true;
   // A tiny problem is done right here: handing it to the pool and waking this thread again would
   // cost more than the work.
   ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= options_.inline_multiply_adds;
-  if (ran_inline_)
-    forward_worker(0, 1, [] {});
-  else
-    job_ = pool_->submit([this](int worker) { forward_worker(worker, pool_->size(), [this] { pool_->barrier(); }); });
+  if (ran_inline_) {
+    forward_worker(0);
+  } else {
+    job_ = pool_->submit([this](int worker) { forward_worker(worker); });
+    job_in_pool_ = true;
+  }
 }
 
 void MoEEngine::sync() {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (!pending_) throw std::logic_error("sync without a submitted forward");
   pending_ = false;
-  if (!ran_inline_) pool_->wait(job_);
+  if (!ran_inline_) {
+    // A worker the OS has not run yet (its CPU busy with this thread, say, until it blocks here) would
+    // leave the work to the others: this thread stands in for it rather than sleep.
+    if (workers_in_.load() < pool_->size() && !call_done_.load()) forward_worker(pool_->size());
+    pool_->wait(job_, call_done_);
+  }
   if (failed_.load()) std::rethrow_exception(failure_);
+}
+
+void MoEEngine::Phase::reset(int count) {
+  items = count;
+  next.store(0, std::memory_order_relaxed);
+  done.store(0, std::memory_order_relaxed);
+}
+
+template <typename Item>
+bool MoEEngine::run_phase(Phase& phase, Item item) {
+  bool finished_last = false;
+  for (int i; (i = phase.next.fetch_add(1, std::memory_order_relaxed)) < phase.items;) {
+    guarded([&] { item(i); });
+    if (phase.done.fetch_add(1, std::memory_order_acq_rel) + 1 == phase.items) {
+      phase.done.notify_all();
+      finished_last = true;
+    }
+  }
+  return finished_last;
 }
 
 template <typename Task>
@@ -425,6 +454,7 @@ void MoEEngine::guarded(Task task) noexcept {
 void MoEEngine::release_scratch() {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
+  if (job_in_pool_) pool_->wait_until_left(job_), job_in_pool_ = false;
   hidden_.release();
   activation_.release();
   hidden_q_ = QuantizedBuffer{};
@@ -438,27 +468,27 @@ std::vector<std::vector<int>> MoEEngine::worker_cpus() {
   return pool_->worker_cpus();
 }
 
-// One worker's part of the call: gate/up tasks, then down tasks, phases separated by barrier() (a
-// no-op when one thread does everything). Kernels that read int8 activations get each token and each
-// intermediate row quantized once, whole, before the projections read it: as a row and its residual
-// row by default (QuantizedBuffer), so the GEMMs see parts_ rows per activation row.
-template <typename Barrier>
-void MoEEngine::forward_worker(int worker, int workers, Barrier barrier) {
-  if (quantized_activations_)
-    for (int t = worker; t < tokens_; t += workers)
-      hidden_q_.quantize(t, hidden_.data() + size_t(t) * hidden_stride_, shape_.hidden, format_);
-  barrier();
-  for (int task; (task = next_gate_up_task_.fetch_add(1, std::memory_order_relaxed)) < gate_up_tasks_;)
-    guarded([&] { gate_up_task(task, scratch_[worker]); });
-  barrier();
-  if (quantized_activations_) {
-    for (int row = worker; row < route_offset_.back(); row += workers)
-      activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate,
-                             format_);
-    barrier();
+// One worker's part of the call: the phases in turn, each begun once the one before is done. Kernels
+// that read int8 activations get each token and each intermediate row quantized once, whole, before
+// the projections read it: as a row and its residual row by default (QuantizedBuffer), so the GEMMs
+// see parts_ rows per activation row.
+void MoEEngine::forward_worker(int worker) {
+  ThreadScratch& s = scratch_[worker];
+  workers_in_.fetch_add(1, std::memory_order_relaxed);
+  run_phase(quantize_hidden_, [&](int t) {
+    hidden_q_.quantize(t, hidden_.data() + size_t(t) * hidden_stride_, shape_.hidden, format_);
+  });
+  wait_for_count(quantize_hidden_.done, quantize_hidden_.items);
+  run_phase(gate_up_, [&](int task) { gate_up_task(task, s); });
+  wait_for_count(gate_up_.done, gate_up_.items);
+  run_phase(quantize_activation_, [&](int row) {
+    activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate, format_);
+  });
+  wait_for_count(quantize_activation_.done, quantize_activation_.items);
+  if (run_phase(down_, [&](int block) { down_task(block, s); })) {
+    call_done_.store(true, std::memory_order_release);
+    if (!ran_inline_) pool_->notify_done();
   }
-  for (int block; (block = next_down_task_.fetch_add(1, std::memory_order_relaxed)) < down_tasks_;)
-    guarded([&] { down_task(block, scratch_[worker]); });
 }
 
 // One expert x one block of intermediate rows: gate and up for all its tokens, then SwiGLU.

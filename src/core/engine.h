@@ -130,7 +130,8 @@ class MoEEngine {
   // any thread: they take turns.
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
   void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, float* out);
-  // Waits for the forward; rethrows what a worker threw (std::bad_alloc from a kernel, say).
+  // Waits for the forward; rethrows what a worker threw (std::bad_alloc from a kernel, say). While a
+  // worker has not begun its part, the calling thread does work of the call in its place.
   void sync();
   bool pending() const { return pending_; }
   // Frees the per-call scratch buffers (they grow back on the next call).
@@ -152,10 +153,20 @@ class MoEEngine {
             std::shared_ptr<ExpertWeights> weights, const EngineOptions& options);
   void start(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out,
              float* out_f32);
-  template <typename Barrier>
-  void forward_worker(int worker, int workers, Barrier barrier);
-  // Runs one task of a worker; the first exception is kept for sync() and the rest of the call's
-  // tasks are skipped (a throw must not leave a worker, nor skip a barrier).
+  // One phase of a call: items claimed one at a time by whichever worker is free. A phase needs its
+  // items done, not every worker: a worker that the OS runs late (or not at all, while another
+  // process has its core) finds the work done by the others and holds nobody up.
+  struct Phase {
+    std::atomic<int> next{0}, done{0};
+    int items = 0;
+    void reset(int count);
+  };
+  void forward_worker(int worker);
+  // Runs items of `phase` until none is left; true on the worker that finished its last item.
+  template <typename Item>
+  bool run_phase(Phase& phase, Item item);
+  // Runs one item; the first exception is kept for sync() and the rest of the call's items are
+  // skipped (still counted done: a throw must not leave a worker, nor stall a phase).
   template <typename Task>
   void guarded(Task task) noexcept;
   void gate_up_task(int task, ThreadScratch& scratch);
@@ -171,7 +182,12 @@ class MoEEngine {
   int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
   bool pending_ = false;
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
-  ThreadPool::Ticket job_ = 0;  // the pool's job of the call in flight
+  ThreadPool::Ticket job_ = 0;  // the pool's job of the last call that used the pool
+  // Workers may still be inside job_ (a late one passing through after the work was done): the call
+  // state must not change until they have left.
+  bool job_in_pool_ = false;
+  std::atomic<bool> call_done_{false};  // every item of the call in flight is done
+  std::atomic<int> workers_in_{0};      // threads that have begun their part of the call in flight
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
   std::shared_ptr<ExpertWeights> weights_;
 
@@ -189,10 +205,11 @@ class MoEEngine {
   AlignedBuffer<bf16_t> activation_;     // [routed rows, inter_stride_]: silu(gate) * up
   QuantizedBuffer hidden_q_, activation_q_;  // the same rows quantized (integer formats)
   std::vector<ThreadScratch> scratch_;
-  std::atomic<int> next_gate_up_task_{0}, next_down_task_{0};
+  // The phases, in order: hidden rows quantized (integer formats), gate/up tasks, intermediate rows
+  // quantized (integer formats), down tasks.
+  Phase quantize_hidden_, gate_up_, quantize_activation_, down_;
   std::atomic<bool> failed_{false};
   std::exception_ptr failure_;  // the first exception of the call in flight; set once failed_ is won
-  int gate_up_tasks_ = 0, down_tasks_ = 0;
 
   std::shared_ptr<ThreadPool> pool_;
 };

@@ -18,14 +18,25 @@ namespace {
 // futex wake-up, while an idle pool costs no CPU.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(200);
 
-template <typename Ready>
-bool spin_until(Ready ready) {
+// Spins until ready() or kSpinBeforeSleep has passed (false then). Yields instead of pausing while
+// yield_cpu() says the awaited threads may be waiting for this CPU.
+template <typename Ready, typename YieldCpu>
+bool spin_until(Ready ready, YieldCpu yield_cpu) {
   const auto deadline = std::chrono::steady_clock::now() + kSpinBeforeSleep;
   for (int i = 0;; ++i) {
     if (ready()) return true;
-    _mm_pause();
-    if ((i & 255) == 255 && std::chrono::steady_clock::now() > deadline) return false;
+    const bool yielding = yield_cpu();
+    if (yielding)
+      std::this_thread::yield();
+    else
+      _mm_pause();
+    if ((yielding || (i & 255) == 255) && std::chrono::steady_clock::now() > deadline) return false;
   }
+}
+
+template <typename Ready>
+bool spin_until(Ready ready) {
+  return spin_until(ready, [] { return false; });
 }
 
 // A CPU mask sized for `cpus` CPUs (CPU_ALLOC): the fixed cpu_set_t stops at 1024 CPUs.
@@ -171,29 +182,33 @@ ThreadPool::Ticket ThreadPool::submit(std::function<void(int)> job) {
   return ticket;
 }
 
-void ThreadPool::wait(Ticket ticket) {
+void ThreadPool::wait(Ticket ticket) { wait_for(ticket, nullptr, true); }
+
+void ThreadPool::wait(Ticket ticket, const std::atomic<bool>& done) { wait_for(ticket, &done, true); }
+
+void ThreadPool::wait_until_left(Ticket ticket) { wait_for(ticket, nullptr, false); }
+
+void ThreadPool::wait_for(Ticket ticket, const std::atomic<bool>* done, bool lost_throws) {
+  auto finished = [&] {
+    return workers_->completed.load(std::memory_order_acquire) > ticket ||
+           (done != nullptr && done->load(std::memory_order_acquire));
+  };
+  if (done != nullptr && done->load(std::memory_order_acquire)) return;
   if (forked()) respawn_after_fork();
-  if (ticket >= lost_from_ && ticket < lost_to_)
+  if (ticket >= lost_from_ && ticket < lost_to_) {
+    if (!lost_throws) return;
     throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
+  }
   // No spinning here: the waiting (Python) thread would take a core from the workers.
-  Workers& w = *workers_;
-  if (w.completed.load(std::memory_order_acquire) > ticket) return;
-  std::unique_lock<std::mutex> lock(w.mutex);
-  w.job_finished.wait(lock, [&] { return w.completed.load(std::memory_order_acquire) > ticket; });
+  if (finished()) return;
+  std::unique_lock<std::mutex> lock(workers_->mutex);
+  workers_->job_finished.wait(lock, finished);
 }
 
-void ThreadPool::barrier() {
+void ThreadPool::notify_done() {
   Workers& w = *workers_;
-  const uint32_t round = w.barrier_round.load(std::memory_order_acquire);
-  if (w.barrier_arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == size()) {
-    w.barrier_arrived.store(0, std::memory_order_relaxed);
-    w.barrier_round.fetch_add(1, std::memory_order_release);
-    return;
-  }
-  while (w.barrier_round.load(std::memory_order_acquire) == round) {
-    if (!spin_until([&] { return w.barrier_round.load(std::memory_order_acquire) != round; }))
-      std::this_thread::yield();  // more threads than cores: let the others reach the barrier
-  }
+  { std::lock_guard<std::mutex> lock(w.mutex); }  // a waiter is either asleep or sees the flag
+  w.job_finished.notify_all();
 }
 
 void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ticket) {
@@ -202,7 +217,9 @@ void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ti
     auto ready = [&] {
       return w.submitted.load(std::memory_order_acquire) > next && w.completed.load(std::memory_order_acquire) == next;
     };
-    if (!spin_until(ready)) {
+    // Once the job is posted, what it waits for is workers still in the last job (which may have
+    // the work all done but wait for this CPU): yield to them.
+    if (!spin_until(ready, [&] { return w.submitted.load(std::memory_order_acquire) > next; })) {
       std::unique_lock<std::mutex> lock(w.mutex);
       w.job_posted.wait(lock, [&] { return w.stopping || ready(); });
     }
@@ -222,6 +239,12 @@ void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ti
       w.job_posted.notify_all();  // the others may wait for this job's end to start the next
     }
   }
+}
+
+void wait_for_count(const std::atomic<int>& counter, int target) {
+  for (int seen; (seen = counter.load(std::memory_order_acquire)) < target;)
+    if (!spin_until([&] { return counter.load(std::memory_order_acquire) != seen; }))
+      counter.wait(seen, std::memory_order_acquire);
 }
 
 KT_NAMESPACE_END

@@ -1,8 +1,10 @@
 // A fixed set of worker threads that run jobs one after another, in the order they were submitted:
 // a job is job(worker_index) on every worker. submit() returns at once with a ticket (that is what
 // makes submit_forward asynchronous, and lets several layers be in flight on one pool); wait(ticket)
-// blocks until that job has finished. Inside a job, barrier() separates phases. Optionally every
-// worker pins itself to a set of CPUs (a NUMA node's) before it runs anything else.
+// blocks until that job has finished. A job that hands out its work item by item may be complete
+// before every worker has been through it (a worker the OS ran late finds nothing left): it sets a
+// flag of its own and wait(ticket, flag) returns then. Optionally every worker pins itself to a set
+// of CPUs (a NUMA node's) before it runs anything else.
 //
 // After fork() the child has none of the workers: the pool starts new ones on its next job. Jobs
 // that were queued or running at the fork cannot finish in the child; waiting for one throws.
@@ -36,10 +38,16 @@ class ThreadPool {
   // Queues a job behind every job submitted before it. The job must not throw: it runs on worker
   // threads and a throw there would abort.
   Ticket submit(std::function<void(int)> job);
-  // Blocks until job `ticket` has finished (and so every job before it).
+  // Blocks until job `ticket` has finished (and so every job before it). Throws for a job lost at
+  // a fork (see above).
   void wait(Ticket ticket);
+  // Blocks until job `ticket` has finished or `done` is true; the job calls notify_done() after
+  // setting it. Workers may still be inside the job when this returns.
+  void wait(Ticket ticket, const std::atomic<bool>& done);
+  void notify_done();
+  // Blocks until no worker is inside job `ticket` any more; a job lost at a fork has none.
+  void wait_until_left(Ticket ticket);
   void run(std::function<void(int)> job) { wait(submit(std::move(job))); }
-  void barrier();
   // Each worker's allowed CPUs as the kernel reports them, read by the worker itself
   // (sched_getaffinity). Runs a job: not while another one is in flight.
   std::vector<std::vector<int>> worker_cpus();
@@ -58,14 +66,14 @@ class ThreadPool {
     std::atomic<uint64_t> submitted{0}, completed{0};
     std::atomic<int> finished_workers{0};  // of the job running now
     bool stopping = false;  // guarded by mutex
-    std::atomic<int> barrier_arrived{0};
-    std::atomic<uint32_t> barrier_round{0};
   };
 
   // New Workers with threads_ running threads, pinned to cpus_, numbering jobs from `first_ticket`.
   void spawn(uint64_t first_ticket = 0);
   bool forked() const;   // the workers are not this process's (a fork() child, or a failed spawn)
   void respawn_after_fork();
+  // wait() and its variants: `done` may be null; lost_throws: a job lost at a fork is an error.
+  void wait_for(Ticket ticket, const std::atomic<bool>* done, bool lost_throws);
   static void stop(Workers& workers);
   static void worker_main(Workers& workers, int index, int count, uint64_t first_ticket);
 
@@ -78,5 +86,9 @@ class ThreadPool {
   uint64_t lost_from_ = 0, lost_to_ = 0;
   std::unique_ptr<Workers> workers_;
 };
+
+// Blocks until counter >= target: spins a while (what it waits for is usually short), then sleeps in
+// std::atomic::wait. Whoever makes the counter reach target calls counter.notify_all().
+void wait_for_count(const std::atomic<int>& counter, int target);
 
 KT_NAMESPACE_END
