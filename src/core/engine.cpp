@@ -416,7 +416,10 @@ void MoEEngine::sync() {
   if (!ran_inline_) {
     // A worker the OS has not run yet (its CPU busy with this thread, say, until it blocks here) would
     // leave the work to the others: this thread stands in for it rather than sleep.
-    if (workers_in_.load() < pool_->size() && !call_done_.load()) forward_worker(pool_->size());
+    if (workers_in_.load() < pool_->size() && !call_done_.load()) {
+      pool_->throw_if_lost(job_);  // after a fork, items the parent's workers held never finish
+      forward_worker(pool_->size());
+    }
     pool_->wait(job_, call_done_);
   }
   if (failed_.load()) std::rethrow_exception(failure_);

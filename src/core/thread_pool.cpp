@@ -194,15 +194,21 @@ void ThreadPool::wait_for(Ticket ticket, const std::atomic<bool>* done, bool los
            (done != nullptr && done->load(std::memory_order_acquire));
   };
   if (done != nullptr && done->load(std::memory_order_acquire)) return;
-  if (forked()) respawn_after_fork();
-  if (ticket >= lost_from_ && ticket < lost_to_) {
-    if (!lost_throws) return;
-    throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
+  if (!lost_throws) {
+    if (forked()) respawn_after_fork();
+    if (ticket >= lost_from_ && ticket < lost_to_) return;
   }
+  throw_if_lost(ticket);
   // No spinning here: the waiting (Python) thread would take a core from the workers.
   if (finished()) return;
   std::unique_lock<std::mutex> lock(workers_->mutex);
   workers_->job_finished.wait(lock, finished);
+}
+
+void ThreadPool::throw_if_lost(Ticket ticket) {
+  if (forked()) respawn_after_fork();
+  if (ticket >= lost_from_ && ticket < lost_to_)
+    throw std::runtime_error("the work in flight when this process forked cannot finish in the child");
 }
 
 void ThreadPool::notify_done() {

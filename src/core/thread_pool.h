@@ -47,6 +47,8 @@ class ThreadPool {
   void notify_done();
   // Blocks until no worker is inside job `ticket` any more; a job lost at a fork has none.
   void wait_until_left(Ticket ticket);
+  // Throws as wait() does when job `ticket` was lost at a fork (its work can never finish here).
+  void throw_if_lost(Ticket ticket);
   void run(std::function<void(int)> job) { wait(submit(std::move(job))); }
   // Each worker's allowed CPUs as the kernel reports them, read by the worker itself
   // (sched_getaffinity). Runs a job: not while another one is in flight.
