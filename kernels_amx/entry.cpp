@@ -10,11 +10,20 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
+// FP8: blocks of tile rows on the AMX-BF16 tiles of the decoded weights; fewer rows on the AVX512
+// path, which decodes in registers for decode-sized calls.
+void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (x.rows < amx::kBlockRows)
+    avx512::paths().fp8(x, w, y, y_stride);
+  else
+    gemm_fp8_via_bf16<amx::gemm_bf16, avx512::decode_fp8>(x, w, y, y_stride);
+}
+
 Kernels with_tiles() {
   Kernels table = avx512::paths();
   table.bf16 = amx::gemm_bf16;
   table.int8 = amx::gemm_int8;
-  table.fp8 = gemm_fp8_via_bf16<amx::gemm_bf16, avx512::decode_fp8>;  // tiles on the decoded weights
+  table.fp8 = gemm_fp8;
   return table;
 }
 

@@ -5,7 +5,7 @@ KT_NAMESPACE_BEGIN
 
 const Kernels& kernels() {
   static constexpr Kernels table = {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4,
-                                    gemm_fp8_via_bf16<avx2::gemm_bf16, avx2::decode_fp8>};
+                                    avx2::gemm_fp8};
   return table;
 }
 

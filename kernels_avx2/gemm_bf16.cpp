@@ -82,7 +82,30 @@ const float* widen_rows(const Activations& x, int k) {
   return widened;
 }
 
+// FP8 (fp8_tiles.h): decoded weight lines widened like the BF16 ones, on the widened rows.
+struct FmaFp8 : Vec {
+  using Row = const float*;
+  struct Line {
+    __m256 even, odd;
+  };
+  using Act = Line;
+  static Line widen(__m256i pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  static Line from_codes(const uint8_t* codes) { return widen(decode_fp8_line(codes)); }
+  static Line from_bf16(const bf16_t* line) { return widen(_mm256_load_si256(reinterpret_cast<const __m256i*>(line))); }
+  static Act act(Row x, int p) { return {_mm256_broadcast_ss(x + 2 * p), _mm256_broadcast_ss(x + 2 * p + 1)}; }
+  static Float dot(Float acc, const Line& w, const Act& a) {
+    return _mm256_fmadd_ps(a.odd, w.odd, _mm256_fmadd_ps(a.even, w.even, acc));
+  }
+};
+
 }  // namespace
+
+void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  const float* widened = widen_rows(x, w.k);
+  const size_t row_elems = size_t(round_up(w.k, 2));
+  // Few rows: 2 x 1 tiles (their sums, the block sums and 4 weight vectors fill the 16 ymm).
+  gemm_fp8<FmaFp8, 2, 1, 4, 1, decode_fp8>([&](int i) { return widened + i * row_elems; }, x.rows, w, y, y_stride);
+}
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   const float* widened = widen_rows(x, w.k);

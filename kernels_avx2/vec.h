@@ -5,7 +5,7 @@
 
 #include <immintrin.h>
 
-#include "fp8_via_bf16.h"
+#include "fp8_tiles.h"
 #include "int_tiles.h"
 
 KT_NAMESPACE_BEGIN
@@ -15,24 +15,30 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
+void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);    // gemm_bf16.cpp
 
-// FP8 codes -> bf16 (fp8_via_bf16.h), 16 at a time; the subnormals by vpshufb on byte pairs.
-inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
+// FP8 codes -> bf16 (fp8_via_bf16.h): 16 codes, half a packed pair of a group (kernels.h); the
+// subnormals by vpshufb on byte pairs.
+inline __m256i decode_fp8_line(const uint8_t* codes) {
   const __m256i subnormals =
       _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
+  const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), _mm256_set1_epi16(kFp8NormalBias));
+  // Word m of the table is bytes 2m, 2m + 1: shuffle control (2m) | (2m + 1) << 8 per 16-bit lane.
+  const __m256i control =
+      _mm256_add_epi16(_mm256_mullo_epi16(magnitude, _mm256_set1_epi16(0x0202)), _mm256_set1_epi16(0x0100));
+  const __m256i subnormal = _mm256_shuffle_epi8(subnormals, control);  // bytes < 16 where used
+  const __m256i is_subnormal = _mm256_cmpgt_epi16(_mm256_set1_epi16(8), magnitude);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+  return _mm256_or_si256(_mm256_blendv_epi8(normal, subnormal, is_subnormal), sign);
+}
+
+// count codes -> bf16 in memory, count a multiple of 16 (the stack driver of fp8_tiles.h).
+inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   for (size_t i = 0; i < count; i += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-    const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi16(0x7F));
-    const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), _mm256_set1_epi16(kFp8NormalBias));
-    // Word m of the table is bytes 2m, 2m + 1: shuffle control (2m) | (2m + 1) << 8 per 16-bit lane.
-    const __m256i control = _mm256_add_epi16(_mm256_mullo_epi16(magnitude, _mm256_set1_epi16(0x0202)),
-                                             _mm256_set1_epi16(0x0100));
-    const __m256i subnormal = _mm256_shuffle_epi8(subnormals, control);  // bytes < 16 where used
-    const __m256i is_subnormal = _mm256_cmpgt_epi16(_mm256_set1_epi16(8), magnitude);
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out + i),
-                       _mm256_or_si256(_mm256_blendv_epi8(normal, subnormal, is_subnormal), sign));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + i), decode_fp8_line(codes + i));
   }
 }
 
@@ -48,6 +54,7 @@ struct Vec {
   static constexpr int kLanes = 8;
   static Int load(const uint8_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
   static Float load_ps(const float* p) { return _mm256_load_ps(p); }
+  static Float loadu_ps(const float* p) { return _mm256_loadu_ps(p); }
   static Int set1(int32_t v) { return _mm256_set1_epi32(v); }
   static Float set1_ps(float v) { return _mm256_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm256_and_si256(a, b); }
@@ -56,6 +63,7 @@ struct Vec {
   static Float to_float(Int a) { return _mm256_cvtepi32_ps(a); }
   static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float add_ps(Float a, Float b) { return _mm256_add_ps(a, b); }
   static void storeu_ps(float* p, Float a) { _mm256_storeu_ps(p, a); }
   static Int lookup16(const int8_t* table, Int indices) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))),

@@ -40,7 +40,27 @@ struct FmaTile {
   }
 };
 
+// FP8 (fp8_tiles.h): decoded weight lines widened like the BF16 ones.
+struct FmaFp8 : Vec {
+  using Row = const bf16_t*;
+  struct Line {
+    __m512 even, odd;
+  };
+  using Act = Line;
+  static Line widen(__m512i pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  static Line from_codes(const uint8_t* codes) { return widen(decode_fp8_line(codes)); }
+  static Line from_bf16(const bf16_t* line) { return widen(_mm512_load_si512(line)); }
+  static Act act(Row x, int p) { return widen(_mm512_set1_epi32(load_bf16_pair(x + 2 * p))); }
+  static Float dot(Float acc, const Line& w, const Act& a) {
+    return _mm512_fmadd_ps(a.odd, w.odd, _mm512_fmadd_ps(a.even, w.even, acc));
+  }
+};
+
 }  // namespace
+
+void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_fp8<FmaFp8, 4, 2, kFmaRows, kFmaGroups, decode_fp8>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+}
 
 void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_tiled<FmaTile, kFmaRows, kFmaGroups>(x, w, y, y_stride);

@@ -29,8 +29,7 @@ Paths choose() {
   p.kernels.mxfp4 = p.vpdpbusd ? gemm_mxfp4_vpdpbusd : gemm_mxfp4_maddubs;
   p.kernels.int8 = p.vpdpbusd ? gemm_int8_vpdpbusd : gemm_int8_maddwd;
   p.kernels.int4 = p.vpdpbusd ? gemm_int4_vpdpbusd : gemm_int4_maddubs;
-  p.kernels.fp8 = p.vdpbf16ps ? gemm_fp8_via_bf16<gemm_bf16_vdpbf16ps, decode_fp8>
-                             : gemm_fp8_via_bf16<gemm_bf16_fma, decode_fp8>;
+  p.kernels.fp8 = p.vdpbf16ps ? gemm_fp8_vdpbf16ps : gemm_fp8_fma;
   return p;
 }
 

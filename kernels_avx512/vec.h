@@ -8,8 +8,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
-#include "fp8_via_bf16.h"
-#include "gemm_tiles.h"
+#include "fp8_tiles.h"
 
 KT_NAMESPACE_BEGIN
 namespace avx512 {
@@ -25,10 +24,12 @@ void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t
 void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 
 // All AVX512_BF16 code, in vdpbf16ps.cpp (the one file compiled with -mavx512bf16), and all
 // AVX512_VNNI code, in vpdpbusd.cpp (-mavx512vnni): called only after CPUID reported them.
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_fp8_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
@@ -43,6 +44,7 @@ struct Vec {
   static constexpr int kLanes = 16;
   static Int load(const uint8_t* p) { return _mm512_load_si512(p); }
   static Float load_ps(const float* p) { return _mm512_load_ps(p); }
+  static Float loadu_ps(const float* p) { return _mm512_loadu_ps(p); }
   static Int set1(int32_t v) { return _mm512_set1_epi32(v); }
   static Float set1_ps(float v) { return _mm512_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm512_and_si512(a, b); }
@@ -51,6 +53,7 @@ struct Vec {
   static Float to_float(Int a) { return _mm512_cvtepi32_ps(a); }
   static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float add_ps(Float a, Float b) { return _mm512_add_ps(a, b); }
   static void storeu_ps(float* p, Float a) { _mm512_storeu_ps(p, a); }
   static Int lookup16(const int8_t* table, Int indices) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), indices);
@@ -61,18 +64,23 @@ struct Vec {
   }
 };
 
-// FP8 codes -> bf16 (fp8_via_bf16.h), 32 at a time.
-inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
+// FP8 codes -> bf16 (fp8_via_bf16.h): 32 codes, one packed pair of a group (kernels.h).
+inline __m512i decode_fp8_line(const uint8_t* codes) {
   const __m512i subnormals = _mm512_castsi128_si512(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(kFp8NormalBias));
+  const __m512i subnormal = _mm512_permutexvar_epi16(magnitude, subnormals);  // index < 8 where used
+  const __mmask32 is_subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
+  return _mm512_or_si512(_mm512_mask_blend_epi16(is_subnormal, normal, subnormal), sign);
+}
+
+// count codes -> bf16 in memory, count a multiple of 32 (the stack driver of fp8_tiles.h).
+inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   for (size_t i = 0; i < count; i += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
-    const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
-    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(kFp8NormalBias));
-    const __m512i subnormal = _mm512_permutexvar_epi16(magnitude, subnormals);  // index < 8 where used
-    const __mmask32 is_subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
-    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8);
-    _mm512_store_si512(out + i, _mm512_or_si512(_mm512_mask_blend_epi16(is_subnormal, normal, subnormal), sign));
+    _mm512_store_si512(out + i, decode_fp8_line(codes + i));
   }
 }
 

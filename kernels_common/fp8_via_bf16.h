@@ -1,6 +1,7 @@
-// FP8 GEMM on any build: a few groups x one scale block of weights at a time are decoded to the
-// BF16 layout on the stack (exact: every E4M3 value is a bf16) and multiplied by the build's BF16
-// GEMM; each block's fp32 product is scaled and summed. Allocates nothing.
+// FP8 E4M3 -> bf16 decoding (shared by every build), and the FP8 GEMM of the amx build: a few groups
+// x one scale block of weights at a time are decoded to the BF16 layout on the stack (exact: every
+// E4M3 value is a bf16) and multiplied by a BF16 GEMM (the tiles); each block's fp32 product is
+// scaled and summed. Allocates nothing. The AVX2 / AVX512 register tiles are in fp8_tiles.h.
 #pragma once
 
 #include <algorithm>

@@ -56,13 +56,15 @@ def test_linear_matches_fp64_on_the_stored_codes(tokens, n, k, per_block):
     assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
 
 
-def test_every_code_decodes_exactly():
-    """One row per code (a one-hot activation picks it): all 254 finite codes, subnormals and -0."""
+@pytest.mark.parametrize("tokens", [1, 32])  # codes decoded in registers / on the stack
+def test_every_code_decodes_exactly(tokens):
+    """One row per code (a one-hot activation picks each input): all 254 finite codes, subnormals
+    and -0, at every input position."""
     codes = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.uint8)
     weight = codes[:, None].repeat(1, 32).contiguous()
-    y = kernel_linear(torch.eye(32)[:1].to(torch.bfloat16), weight, torch.ones(len(codes), 1))
+    y = kernel_linear(torch.eye(32)[:tokens].to(torch.bfloat16), weight, torch.ones(len(codes), 1))
     expected = codes.view(torch.float8_e4m3fn).float()
-    assert torch.equal(y[0], expected)
+    assert torch.equal(y, expected.expand(tokens, -1))
 
 
 def test_scales_must_fit_the_format():
