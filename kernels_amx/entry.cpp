@@ -39,12 +39,15 @@ void init_kernels() { kernels(); }
 KernelInfo kernel_info() {
   static const std::string bf16 =
       std::string("amx_bf16 tiles (blocks of 32 rows, k % 32 == 0), else ") + avx512::paths_info().bf16_path;
+  static const std::string fp8 =
+      std::string("amx_bf16 tiles on decoded weights (blocks of 32 rows), else ") + avx512::paths_info().fp8_path;
   static const std::string int8 =
       std::string("INT8: amx_int8 tiles (blocks of 32 rows, k % 64 == 0), else ") + avx512::paths_info().int8_path;
   KernelInfo info = avx512::paths_info();
   info.isa = "amx";
   info.bf16_path = bf16.c_str();
   info.int8_path = int8.c_str();
+  info.fp8_path = fp8.c_str();
 #ifdef KT_AMX_EMULATED
   info.emulated_tile_products = amx::EmulatedTiles::products;
 #endif

@@ -16,7 +16,7 @@ bool env_flag(const char* name) {
 }
 
 struct Paths {
-  bool vdpbf16ps, vpdpbusd;
+  bool vdpbf16ps, vpdpbusd, vpermb;
   Kernels kernels;
 };
 
@@ -25,11 +25,12 @@ Paths choose() {
   Paths p;
   p.vdpbf16ps = cpu.avx512_bf16 && !env_flag("KT_KERNEL_DISABLE_AVX512_BF16");
   p.vpdpbusd = cpu.avx512_vnni && !env_flag("KT_KERNEL_DISABLE_AVX512_VNNI");
+  p.vpermb = cpu.avx512_vbmi && !env_flag("KT_KERNEL_DISABLE_AVX512_VBMI");
   p.kernels.bf16 = p.vdpbf16ps ? gemm_bf16_vdpbf16ps : gemm_bf16_fma;
   p.kernels.mxfp4 = p.vpdpbusd ? gemm_mxfp4_vpdpbusd : gemm_mxfp4_maddubs;
   p.kernels.int8 = p.vpdpbusd ? gemm_int8_vpdpbusd : gemm_int8_maddwd;
   p.kernels.int4 = p.vpdpbusd ? gemm_int4_vpdpbusd : gemm_int4_maddubs;
-  p.kernels.fp8 = p.vdpbf16ps ? gemm_fp8_vdpbf16ps : gemm_fp8_fma;
+  p.kernels.fp8 = !p.vdpbf16ps ? gemm_fp8_fma : p.vpermb ? gemm_fp8_vdpbf16ps_vbmi : gemm_fp8_vdpbf16ps;
   return p;
 }
 
@@ -47,7 +48,10 @@ KernelInfo paths_info() {
   return {"avx512", p.vdpbf16ps ? "avx512_bf16 (vdpbf16ps)" : "avx512f (bf16->fp32, fma)",
           p.vpdpbusd ? "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)"
                      : "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)",
-          p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)"};
+          p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)",
+          !p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, fp32 fma"
+          : p.vpermb   ? "E4M3 -> bf16 by byte lookups (avx512_vbmi), vdpbf16ps"
+                       : "E4M3 -> bf16 arithmetically, vdpbf16ps"};
 }
 
 }  // namespace avx512

@@ -6,8 +6,8 @@ KT_NAMESPACE_BEGIN
 namespace avx512 {
 namespace {
 
-// BF16: rows x 16-column groups of accumulators, weight lines used straight as vdpbf16ps operands.
-constexpr int kDpRows = 6, kDpGroups = 4;  // 24 accumulators + 4 weight lines
+// BF16: rows x 16-column groups of accumulators (kDpRows x kDpGroups), weight lines used straight
+// as vdpbf16ps operands.
 volatile float probe_sink;                 // keeps the peak probe's loop from being optimised away
 
 template <int M, int NV>
@@ -35,21 +35,10 @@ struct DpBf16Tile {
   }
 };
 
-// FP8 (fp8_tiles.h): decoded weight lines straight as vdpbf16ps operands.
-struct DpBf16Fp8 : Vec {
-  using Row = const bf16_t*;
-  using Line = __m512bh;
-  using Act = __m512bh;
-  static Line from_codes(const uint8_t* codes) { return (__m512bh)decode_fp8_line(codes); }
-  static Line from_bf16(const bf16_t* line) { return (__m512bh)_mm512_load_si512(line); }
-  static Act act(Row x, int p) { return (__m512bh)_mm512_set1_epi32(load_bf16_pair(x + 2 * p)); }
-  static Float dot(Float acc, Line w, Act a) { return _mm512_dpbf16_ps(acc, a, w); }
-};
-
 }  // namespace
 
 void gemm_fp8_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8<DpBf16Fp8, 4, 2, kDpRows, kDpGroups, decode_fp8>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+  gemm_fp8<DpBf16Fp8<decode_fp8_line>, 4, 2, kDpRows, kDpGroups, decode_fp8>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
 }
 
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

@@ -30,6 +30,9 @@ void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t 
 // AVX512_VNNI code, in vpdpbusd.cpp (-mavx512vnni): called only after CPUID reported them.
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_fp8_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+// FP8 decoded by byte lookups, in fp8_vbmi.cpp (-mavx512vbmi -mavx512bf16): called only after CPUID
+// reported AVX512_VBMI and AVX512_BF16.
+void gemm_fp8_vdpbf16ps_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
@@ -83,6 +86,21 @@ inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
     _mm512_store_si512(out + i, decode_fp8_line(codes + i));
   }
 }
+
+// FP8 on vdpbf16ps (fp8_tiles.h): decoded weight lines straight as its operands; Decode(codes)
+// gives 32 codes as bf16. A template, so that only the files compiled with -mavx512bf16 (which call
+// it after a CPUID check) instantiate it.
+template <__m512i (*Decode)(const uint8_t*)>
+struct DpBf16Fp8 : Vec {
+  using Row = const bf16_t*;
+  using Line = __m512bh;
+  using Act = __m512bh;
+  static Line from_codes(const uint8_t* codes) { return (__m512bh)Decode(codes); }
+  static Line from_bf16(const bf16_t* line) { return (__m512bh)_mm512_load_si512(line); }
+  static Act act(Row x, int p) { return (__m512bh)_mm512_set1_epi32(load_bf16_pair(x + 2 * p)); }
+  static Float dot(Float acc, Line w, Act a) { return _mm512_dpbf16_ps(acc, a, w); }
+};
+constexpr int kDpRows = 6, kDpGroups = 4;  // the vdpbf16ps tiles: 24 accumulators + 4 weight lines
 
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
 inline __m512 even_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }

@@ -18,6 +18,11 @@ KT_NAMESPACE_BEGIN
 constexpr uint16_t kFp8NormalBias = 120 << 7;
 alignas(64) constexpr uint16_t kFp8SubnormalBf16[8] = {0x0000, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
 
+// The bf16 bits of the E4M3 magnitude m (code & 0x7F; 0x7F itself is NaN): for lookup tables.
+constexpr uint16_t fp8_magnitude_bf16(int m) {
+  return m < 8 ? kFp8SubnormalBf16[m] : uint16_t((m << 4) + kFp8NormalBias);
+}
+
 // The decoders prefetch the codes this far ahead: a group's codes are one stream along K, read
 // a block at a time between GEMMs, too slowly for the hardware prefetcher alone to keep DRAM busy.
 constexpr int kFp8PrefetchBytes = 4096;

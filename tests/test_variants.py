@@ -1,5 +1,5 @@
 """The kernel suites under every build this CPU can execute, each forced with KT_KERNEL_CPU_VARIANT
-in its own process; the AVX512 build both with and without its AVX512_BF16 and AVX512_VNNI paths."""
+in its own process; the AVX512 build with and without its AVX512_BF16, AVX512_VNNI and AVX512_VBMI paths."""
 
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ RUNS = {
         "KT_KERNEL_DISABLE_AVX512_BF16": "1",
         "KT_KERNEL_DISABLE_AVX512_VNNI": "1",
     },
+    "avx512-bf16-no-vbmi": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_DISABLE_AVX512_VBMI": "1"},
     "avx2": {"KT_KERNEL_CPU_VARIANT": "avx2"},
 }
+# Runs that change one format's path only run that format's suite.
+RUN_SUITES = {"avx512-bf16-no-vbmi": ["tests/test_fp8_kernels.py"]}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -36,6 +39,8 @@ def test_kernel_suites_under_build(run):
     skip_unless_cpu_runs(env["KT_KERNEL_CPU_VARIANT"])
     if run == "avx512-bf16-vnni" and not {"avx512_bf16", "avx512_vnni"} <= HOST_FLAGS:
         pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VNNI: only the plain AVX512 paths can run")
+    if run == "avx512-bf16-no-vbmi" and not {"avx512_bf16", "avx512vbmi"} <= HOST_FLAGS:
+        pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VBMI: the arithmetic FP8 decoder is its only one")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env
     command = [
         sys.executable,
@@ -46,7 +51,7 @@ def test_kernel_suites_under_build(run):
         "no:cacheprovider",
         "-W",
         "error::RuntimeWarning",
-        *SUITES,
+        *RUN_SUITES.get(run, SUITES),
     ]
     result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]

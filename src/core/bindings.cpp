@@ -113,6 +113,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
     d["variant"] = KT_VARIANT_NAME;
     d["kernels"] = info.isa;
     d["bf16_path"] = info.bf16_path;
+    d["fp8_path"] = info.fp8_path;
     d["int8_path"] = info.int8_path;
     d["mxfp4_path"] = info.mxfp4_path;
     if (info.emulated_tile_products >= 0) d["emulated_tile_products"] = info.emulated_tile_products;

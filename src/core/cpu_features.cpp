@@ -58,6 +58,7 @@ CpuFeatures detect_cpu_features() {
   f.avx512bw = os_avx512 && bit(leaf7.ebx, 30);
   f.avx512vl = os_avx512 && bit(leaf7.ebx, 31);
   f.avx512_vnni = os_avx512 && bit(leaf7.ecx, 11);
+  f.avx512_vbmi = os_avx512 && bit(leaf7.ecx, 1);
   f.avx512_bf16 = os_avx512 && bit(leaf7_1.eax, 5);
   f.amx_bf16 = os_amx && bit(leaf7.edx, 22);
   f.amx_tile = os_amx && bit(leaf7.edx, 24);

@@ -11,7 +11,7 @@ KT_NAMESPACE_BEGIN
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
-  bool avx512_bf16 = false, avx512_vnni = false;
+  bool avx512_bf16 = false, avx512_vnni = false, avx512_vbmi = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
 };
 

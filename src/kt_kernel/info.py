@@ -55,6 +55,7 @@ def format_cpu_info(info: dict[str, Any]) -> str:
         f"bf16 kernel path  : {info['kernels']['bf16_path']}",
         f"mxfp4 kernel path : {info['kernels']['mxfp4_path']}",
         f"int8/int4 path    : {info['kernels']['int8_path']}",
+        f"fp8 kernel path   : {info['kernels']['fp8_path']}",
         f"NUMA nodes        : {format_numa_nodes(info['numa_nodes'])}",
         f"CPUs allowed here : {numa.format_cpulist(info['allowed_cpus'])}",
     ]

@@ -1,0 +1,60 @@
+// FP8 on CPUs with AVX512_VBMI and AVX512_BF16: each E4M3 code becomes its bf16 by two 128-entry
+// byte lookups (vpermi2b: the low and the high byte of the magnitude's bf16) and the sign bit, five
+// instructions per 32 codes where the arithmetic decoder of vec.h takes ten. This file alone is
+// compiled with -mavx512vbmi (CMakeLists.txt); paths.cpp calls it only after CPUID reported both.
+#include <array>
+
+#include "vec.h"
+
+KT_NAMESPACE_BEGIN
+namespace avx512 {
+namespace {
+
+// Byte b of the table: the low (kHigh = false) or high byte of fp8_magnitude_bf16(b), b < 128.
+template <bool kHigh>
+constexpr std::array<uint8_t, 128> magnitude_bytes() {
+  std::array<uint8_t, 128> bytes{};
+  for (int m = 0; m < 128; ++m) bytes[m] = uint8_t(fp8_magnitude_bf16(m) >> (kHigh ? 8 : 0));
+  return bytes;
+}
+alignas(64) constexpr std::array<uint8_t, 128> kLowBytes = magnitude_bytes<false>();
+alignas(64) constexpr std::array<uint8_t, 128> kHighBytes = magnitude_bytes<true>();
+
+// Byte 2i and 2i + 1 <- code i: each 16-bit lane holds its code twice, as the lookups' index.
+__m512i code_pairs() {
+  alignas(64) static constexpr std::array<uint8_t, 64> kIndex = [] {
+    std::array<uint8_t, 64> index{};
+    for (int i = 0; i < 64; ++i) index[i] = uint8_t(i / 2);
+    return index;
+  }();
+  return _mm512_load_si512(kIndex.data());
+}
+
+__m512i decode_fp8_line_vbmi(const uint8_t* codes) {
+  const __m512i index = _mm512_permutexvar_epi8(
+      code_pairs(), _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))));
+  // Index bits 0-6 (the magnitude) select among 128 bytes; bit 7 (the sign) is ignored.
+  const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512(kLowBytes.data()), index,
+                                               _mm512_load_si512(kLowBytes.data() + 64));
+  const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512(kHighBytes.data()), index,
+                                                _mm512_load_si512(kHighBytes.data() + 64));
+  const __m512i magnitude = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, low, high);
+  return _mm512_ternarylogic_epi32(magnitude, index, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // | sign
+}
+
+void decode_fp8_vbmi(const uint8_t* codes, bf16_t* out, size_t count) {
+  for (size_t i = 0; i < count; i += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
+    _mm512_store_si512(out + i, decode_fp8_line_vbmi(codes + i));
+  }
+}
+
+}  // namespace
+
+void gemm_fp8_vdpbf16ps_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_fp8<DpBf16Fp8<decode_fp8_line_vbmi>, 4, 2, kDpRows, kDpGroups, decode_fp8_vbmi>(
+      [&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+}
+
+}  // namespace avx512
+KT_NAMESPACE_END
