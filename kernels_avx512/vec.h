@@ -53,6 +53,7 @@ struct Vec {
   static Int and_(Int a, Int b) { return _mm512_and_si512(a, b); }
   static Int srli_epi32(Int a, int n) { return _mm512_srli_epi32(a, n); }
   static Int sub_epi32(Int a, Int b) { return _mm512_sub_epi32(a, b); }
+  static Int mullo_epi32(Int a, Int b) { return _mm512_mullo_epi32(a, b); }
   static Float to_float(Int a) { return _mm512_cvtepi32_ps(a); }
   static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }

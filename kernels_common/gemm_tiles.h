@@ -36,6 +36,7 @@ void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_s
     PackedGroups block = w;
     block.values += g0 * w.group_bytes;
     block.scales += g0 * w.group_scale_bytes;
+    if (w.zeros != nullptr) block.zeros += g0 * w.group_zero_bytes;
     block.groups = nv;
     // Row blocks of near-equal size (32 rows with MaxM = 5: 5,5,5,5,4,4,4, not 5 x 6 + 2): a tile of
     // few rows has too few accumulators to keep the multiply-add ports busy.

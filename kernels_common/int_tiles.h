@@ -4,7 +4,7 @@
 // 4-bit format adds (Int4Format, Mxfp4Format below). Layouts and weight offsets: kernels.h.
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
-// sub_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per index < 16) and
+// sub_epi32, mullo_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per index < 16) and
 // e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the fp32 denormal 2^-127).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
@@ -59,6 +59,10 @@ struct IntTiles {
   static Float row_scales(const PackedGroups& w, int v) {
     return V::load_ps(reinterpret_cast<const float*>(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes) +
                       (v % kVecsPerGroup) * V::kLanes);
+  }
+  static const uint8_t* zero_points(const PackedGroups& w, int v, int s) {
+    return w.zeros + (v / kVecsPerGroup) * w.group_zero_bytes +
+           (size_t(s) * kGroupRows + (v % kVecsPerGroup) * V::kLanes) * sizeof(int32_t);
   }
   static Float four_bit_scale(const PackedGroups& w, int v, int s) {
     return FourBit::scale(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
@@ -122,10 +126,16 @@ struct IntTiles {
             for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot2(part[i][v], low[v], a_low, high[v], a_high);
           }
         }
+        Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
+        if (w.zeros != nullptr)
+          for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
         for (int i = 0; i < M; ++i) {
-          const Int offset = V::set1(FourBit::kOffset * quantized_sum(x[i], s * inputs_per_scale, inputs_per_scale));
-          for (int v = 0; v < kVecs; ++v)
-            acc[i][v] = V::fmadd(V::to_float(V::sub_epi32(part[i][v], offset)), four_bit_scale(w, v, s), acc[i][v]);
+          const int32_t sum = quantized_sum(x[i], s * inputs_per_scale, inputs_per_scale);
+          const Int offset = V::set1(FourBit::kOffset * sum);
+          for (int v = 0; v < kVecs; ++v) {
+            const Int zero = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(sum)) : offset;
+            acc[i][v] = V::fmadd(V::to_float(V::sub_epi32(part[i][v], zero)), four_bit_scale(w, v, s), acc[i][v]);
+          }
         }
       }
       for (int i = 0; i < M; ++i)

@@ -47,9 +47,16 @@ def random_canonical(method: str, n: int, k: int, group: int, g: torch.Generator
     return values, scales
 
 
-def kernel_linear(method: str, x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def kernel_linear(
+    method: str,
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None = None,
+) -> torch.Tensor:
     y = torch.empty(x.shape[0], values.shape[0])
-    ext.linear(method, x.view(torch.int16), values.view(torch.uint8), scales.reshape(values.shape[0], -1), y)
+    scales = scales.reshape(values.shape[0], -1)
+    ext.linear(method, x.view(torch.int16), values.view(torch.uint8), scales, y, zeros=zeros)
     return y
 
 
@@ -84,6 +91,25 @@ def test_linear_is_exact_when_activations_quantize_exactly(method, tokens, n, k,
     # Exact integer sums; fp32 only in the scaling and the per-group accumulation (INT4).
     bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
     err = (kernel_linear(method, x.to(torch.bfloat16), values, scales).double() - ref).abs()
+    assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("method,tokens,n,k,group", [case for case in CASES if case[0] == "INT4"])
+def test_int4_zero_points_are_exact(method, tokens, n, k, group):
+    """Asymmetric INT4 (GPTQ): w = (q - z) * s with a zero point z in -8..8 per row and group."""
+    g = torch.Generator().manual_seed(tokens * 7 + n + k)
+    values, scales = random_canonical(method, n, k, group, g)
+    zeros = torch.randint(-8, 9, scales.shape, dtype=torch.int8, generator=g)
+    zeros.view(-1)[0] = -8  # both ends of the range
+    zeros.view(-1)[-1] = 8
+    x = torch.randint(-127, 128, (tokens, k), generator=g).float()
+    x[torch.arange(tokens), torch.randint(0, k, (tokens,), generator=g)] = 127.0
+    weight = decode(method, values, scales) - (zeros.double() * scales.double()).repeat_interleave(
+        group, dim=-1
+    )
+    ref = x.double() @ weight.T
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
+    err = (kernel_linear(method, x.to(torch.bfloat16), values, scales, zeros).double() - ref).abs()
     assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
 
 

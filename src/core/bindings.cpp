@@ -62,6 +62,22 @@ kt::SourceProjection canonical_source(const kt::FormatTraits& format, const Cano
   return {values.data(), scales->data(), group};
 }
 
+// canonical_source with the optional zero points (int8, shaped like the scales) of `format`.
+template <size_t Dims>
+kt::SourceProjection canonical_source(const kt::FormatTraits& format, const Canonical<Dims>& values,
+                                      const std::optional<Canonical<Dims>>& scales,
+                                      const std::optional<CpuArray<const int8_t, nb::ndim<Dims>>>& zeros,
+                                      size_t matrices, int rows, int k, const std::string& what) {
+  kt::SourceProjection source = canonical_source<Dims>(format, values, scales, matrices, rows, k, what);
+  if (!zeros) return source;
+  require(format.has_zero_points(), (std::string(format.name) + " takes no zero points").c_str());
+  for (size_t d = 0; d < Dims; ++d)
+    require(zeros->shape(d) == scales->shape(d), (what + ": the zero points must have the scales' shape").c_str());
+  require(source.scale_group > 0, (what + ": zero points need scales per group of inputs").c_str());
+  source.zeros = zeros->data();
+  return source;
+}
+
 // submit() of MoEEngine or MoESubpools: shapes checked here, the rest by the engine.
 template <typename Engine>
 void submit(Engine& engine, Bf16In2 hidden, CpuArray<const int64_t, nb::ndim<2>> ids,
@@ -132,6 +148,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
     f["k_multiple"] = format->k_multiple;
     f["max_k"] = format->max_k;
     f["quantized_activations"] = format->quantized_activations();
+    f["zero_points"] = format->has_zero_points();
     formats[format->name] = f;
   }
   m.attr("FORMATS") = formats;
@@ -163,19 +180,20 @@ NB_MODULE(KT_MODULE_NAME, m) {
 
   m.def("linear",
         [](const std::string& method, Bf16In2 x, Canonical<2> weight, std::optional<Canonical<2>> scale, Float32Out2 y,
-           int repeats, bool int8_activations) {
+           int repeats, bool int8_activations, std::optional<CpuArray<const int8_t, nb::ndim<2>>> zeros) {
           const kt::FormatTraits& format = kt::format_named(method);
           const int m = int(x.shape(0)), k = int(x.shape(1)), n = int(y.shape(1));
           require(y.shape(0) == x.shape(0), "x and y disagree in shape");
           require(k % format.k_multiple == 0 && k <= format.max_k, "k does not suit this format");
-          const kt::SourceProjection w = canonical_source<2>(format, weight, scale, 1, n, k, "weight");
+          const kt::SourceProjection w = canonical_source<2>(format, weight, scale, zeros, 1, n, k, "weight");
           require(repeats >= 1, "repeats must be >= 1");
           nb::gil_scoped_release release;
           return kt::linear(format, bf16_data(x.data()), m, k, w, n, y.data(), repeats, int8_activations);
         },
         nb::arg("method"), nb::arg("x"), nb::arg("weight"), nb::arg("scale").none(), nb::arg("y"),
-        nb::arg("repeats") = 1, nb::arg("int8_activations") = false,
-        "y = x @ weight.T by the kernel on this thread (weight in canonical layout); returns the mean "
+        nb::arg("repeats") = 1, nb::arg("int8_activations") = false, nb::arg("zeros").none() = nb::none(),
+        "y = x @ weight.T by the kernel on this thread (weight in canonical layout, INT4 optionally with "
+        "int8 zero points shaped like its scales); returns the mean "
         "seconds of one GEMM over `repeats` runs (packing excluded). A testing and profiling aid.");
 
   nb::class_<kt::MoEEngine>(m, "MoEEngine")
@@ -191,23 +209,27 @@ NB_MODULE(KT_MODULE_NAME, m) {
       .def("load",
            [](kt::MoEEngine& engine, Canonical<3> gate, std::optional<Canonical<3>> gate_scale, Canonical<3> up,
               std::optional<Canonical<3>> up_scale, Canonical<3> down, std::optional<Canonical<3>> down_scale,
-              CpuArray<const int64_t, nb::ndim<1>> source_of_slot) {
+              CpuArray<const int64_t, nb::ndim<1>> source_of_slot, std::optional<CpuArray<const int8_t, nb::ndim<3>>> gate_zeros,
+              std::optional<CpuArray<const int8_t, nb::ndim<3>>> up_zeros,
+              std::optional<CpuArray<const int8_t, nb::ndim<3>>> down_zeros) {
              const kt::MoEShape& shape = engine.shape();
              const kt::FormatTraits& format = engine.format();
              const size_t sources = gate.shape(0);
              require(source_of_slot.shape(0) == size_t(shape.num_experts), "source_of_slot needs one entry per expert");
              const int H = shape.hidden, I = shape.intermediate;
-             const kt::SourceProjection g = canonical_source<3>(format, gate, gate_scale, sources, I, H, "gate");
-             const kt::SourceProjection u = canonical_source<3>(format, up, up_scale, sources, I, H, "up");
-             const kt::SourceProjection d = canonical_source<3>(format, down, down_scale, sources, H, I, "down");
+             const kt::SourceProjection g = canonical_source<3>(format, gate, gate_scale, gate_zeros, sources, I, H, "gate");
+             const kt::SourceProjection u = canonical_source<3>(format, up, up_scale, up_zeros, sources, I, H, "up");
+             const kt::SourceProjection d = canonical_source<3>(format, down, down_scale, down_zeros, sources, H, I, "down");
              nb::gil_scoped_release release;
              engine.load(g, u, d, int(sources), source_of_slot.data());
            },
            nb::arg("gate"), nb::arg("gate_scale").none(), nb::arg("up"), nb::arg("up_scale").none(), nb::arg("down"),
-           nb::arg("down_scale").none(), nb::arg("source_of_slot"),
+           nb::arg("down_scale").none(), nb::arg("source_of_slot"), nb::arg("gate_zeros").none() = nb::none(),
+           nb::arg("up_zeros").none() = nb::none(), nb::arg("down_zeros").none() = nb::none(),
            "Copy and pack the weights of every source expert in the engine's format's canonical layout: "
            "gate/up [E, I, row bytes of H], down [E, H, row bytes of I], scales [E, rows, scales per row] or None "
-           "(any element type; sizes checked in bytes).")
+           "(any element type; sizes checked in bytes); INT4 also takes int8 zero points shaped like its scales "
+           "(weights (q - zero) * scale).")
       .def("submit", &submit<kt::MoEEngine>, nb::call_guard<nb::gil_scoped_release>(),
            "Start a forward; hidden and out must stay alive until sync().")
       .def("submit_addresses", &submit_addresses<kt::MoEEngine>, nb::arg("hidden"), nb::arg("tokens"), nb::arg("ids"),

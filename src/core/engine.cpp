@@ -66,7 +66,8 @@ void require(bool condition, const std::string& message) {
 
 }  // namespace
 
-void PackedProjection::allocate(const FormatTraits& format, int experts, int rows_, int k_, int scale_group_) {
+void PackedProjection::allocate(const FormatTraits& format, int experts, int rows_, int k_, int scale_group_,
+                                bool zero_points) {
   rows = rows_;
   k = k_;
   scale_group = scale_group_;
@@ -74,12 +75,19 @@ void PackedProjection::allocate(const FormatTraits& format, int experts, int row
   group_scale_bytes = format.group_scale_bytes(k, scale_group);
   values.reserve(size_t(experts) * packed_groups(rows) * group_bytes);
   scales.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
+  has_zeros = zero_points;
+  if (has_zeros) zeros.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
 }
 
 PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   const size_t index = size_t(expert) * packed_groups(rows) + first;
-  return {values.data() + index * group_bytes, scales.data() + index * group_scale_bytes, group_bytes,
-          group_scale_bytes, k, count, scale_group};
+  PackedGroups groups{values.data() + index * group_bytes, scales.data() + index * group_scale_bytes, group_bytes,
+                      group_scale_bytes, k, count, scale_group};
+  if (has_zeros) {
+    groups.zeros = zeros.data() + index * group_scale_bytes;
+    groups.group_zero_bytes = group_scale_bytes;
+  }
+  return groups;
 }
 
 void QuantizedBuffer::reserve(int rows, int k) {
@@ -123,14 +131,17 @@ void sum_parts(float* y, int rows, int parts, int cols, size_t stride) {
 
 namespace {
 
-// Packs matrix `matrix` (rows x k) of the canonical source into `dst_values` / `dst_scales`.
-void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, int rows, int k,
-                 uint8_t* dst_values, uint8_t* dst_scales) {
-  const size_t scale_row_bytes = format.scales_per_row(k, src.scale_group) * format.scale_bytes();
+// Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
+void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert) {
+  const int rows = dst.rows, k = dst.k;
+  const size_t scales_per_row = format.scales_per_row(k, src.scale_group);
   const uint8_t* scales = static_cast<const uint8_t*>(src.scales);
   format.pack(static_cast<const uint8_t*>(src.values) + matrix * rows * format.row_bytes(k),
-              scales ? scales + matrix * rows * scale_row_bytes : nullptr, rows, k, src.scale_group, dst_values,
-              dst_scales);
+              scales ? scales + matrix * rows * scales_per_row * format.scale_bytes() : nullptr, rows, k,
+              src.scale_group, dst.expert_values(expert), dst.expert_scales(expert));
+  if (src.zeros != nullptr)
+    format.pack_zeros(static_cast<const int8_t*>(src.zeros) + matrix * rows * scales_per_row, rows, k,
+                      src.scale_group, dst.expert_zeros(expert));
 }
 
 }  // namespace
@@ -138,8 +149,8 @@ void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix
 double linear(const FormatTraits& format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
               int repeats, bool int8_activations) {
   PackedProjection packed;
-  packed.allocate(format, 1, n, k, w.scale_group);
-  pack_matrix(format, w, 0, n, k, packed.expert_values(0), packed.expert_scales(0));
+  packed.allocate(format, 1, n, k, w.scale_group, w.zeros != nullptr);
+  pack_matrix(format, w, 0, packed, 0);
   const int stride = round_up(k, 32), y_stride = packed_groups(n) * kGroupRows;
   const bool quantize = format.quantized_activations();
   QuantizedBuffer quantized;
@@ -252,9 +263,9 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
     require(source_of_slot[slot] >= 0 && source_of_slot[slot] < num_sources,
             "physical_to_logical_map_cpu[" + std::to_string(slot) + "] = " +
                 std::to_string(source_of_slot[slot]) + " is outside [0, " + std::to_string(num_sources) + ")");
-  weights_->gate.allocate(format_, E, I, H, gate.scale_group);
-  weights_->up.allocate(format_, E, I, H, up.scale_group);
-  weights_->down.allocate(format_, E, H, I, down.scale_group);
+  weights_->gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr);
+  weights_->up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr);
+  weights_->down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr);
   // Packed by the pool's threads, so each expert's pages are first touched by a worker. Skipped
   // (GPU) slots too: the mask may hand them back to the CPU at any submit.
   pool_->run([&](int worker) {
@@ -269,7 +280,7 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
 }
 
 void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {
-  pack_matrix(format_, src, source, dst.rows, dst.k, dst.expert_values(slot), dst.expert_scales(slot));
+  pack_matrix(format_, src, source, dst, slot);
 }
 
 void MoEEngine::set_gpu_experts(const uint8_t* gpu_mask) {

@@ -26,23 +26,30 @@ struct PackedProjection {
   int rows = 0, k = 0, scale_group = 0;
   size_t group_bytes = 0, group_scale_bytes = 0;
   AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
+  AlignedBuffer<uint8_t> zeros;           // zero points (kernels.h), group_scale_bytes per group
+  bool has_zeros = false;
 
-  // scale_group: the inputs per scale of the source (FormatTraits).
-  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group);
+  // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them.
+  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false);
   uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
   uint8_t* expert_scales(int expert) {
     return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
+  }
+  uint8_t* expert_zeros(int expert) {
+    return has_zeros ? zeros.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes : nullptr;
   }
   // Groups [first, first + count) of one expert.
   PackedGroups groups(int expert, int first, int count) const;
 };
 
 // The canonical (unpacked) weights of one projection for all source experts, in the format's
-// layout (FormatTraits): values [E, rows, row_bytes(k)], scales [E, rows, scales_per_row] or null.
+// layout (FormatTraits): values [E, rows, row_bytes(k)], scales [E, rows, scales_per_row] or null,
+// and for a format with zero points optionally int8 zeros [E, rows, scales_per_row].
 struct SourceProjection {
   const void* values;
   const void* scales;
   int scale_group = 0;
+  const void* zeros = nullptr;
 };
 
 // Activation rows quantized per row for the integer formats (storage behind QuantizedRows). Each

@@ -54,8 +54,12 @@ struct FormatTraits {
   // The inverse of pack for a region; w: the whole matrix from its first group.
   void (*unpack)(const PackedGroups& w, const UnpackRegion& region);
   GemmFn Kernels::*gemm;  // this format's GEMM in the build's kernel table
+  // Formats with zero points (INT4): canonical int8 offsets [rows][k / scale_group] -> packed
+  // groups (kernels.h), group_scale_bytes(k, scale_group) bytes per group; null for the others.
+  void (*pack_zeros)(const int8_t* zeros, int rows, int k, int scale_group, uint8_t* packed_zeros) = nullptr;
 
   bool has_scales() const { return scale_type != ScaleType::kNone; }
+  bool has_zero_points() const { return pack_zeros != nullptr; }
   bool quantized_activations() const { return activations != ActivationKind::kBf16; }
   size_t scale_bytes() const { return scale_type == ScaleType::kFloat32 ? 4 : scale_type == ScaleType::kE8M0 ? 1 : 0; }
   size_t row_bytes(int k) const { return size_t(k) * value_bits / 8; }

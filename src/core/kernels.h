@@ -91,6 +91,10 @@ struct PackedGroups {
   int k;                     // inputs per row
   int groups;
   int scale_group = 0;       // inputs per scale (INT4: 32, 64 or 128; MXFP4: 32; 0: per row)
+  // INT4 with zero points: the first group's (null: every zero point is kInt4Offset) and the
+  // stride between groups.
+  const uint8_t* zeros = nullptr;
+  size_t group_zero_bytes = 0;
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
   // tiles pull them into L2 while they reread these from cache (gemm_tiled).
   const uint8_t* next_values = nullptr;
@@ -132,6 +136,9 @@ constexpr int kMxfp4ChunkBytes = 64;
 // INT4: per group, per input octet c (inputs 8c..8c+7), one 64-byte line: row r's 32-bit word holds
 // inputs 8c..8c+3 in the low nibbles of its bytes and 8c+4..8c+7 in the high nibbles, so one mask
 // (and a shift) yields two INT8-layout quads. Scales: per group, per G inputs, 16 floats.
+// INT4 zero points (asymmetric checkpoints, GPTQ): the canonical offset z' (int8, -8..8) of a row's
+// G inputs makes its weights (q - z') * s; packed as the zero point z' + 8 of the stored nibbles,
+// per group, per G inputs, 16 int32, which the kernels subtract times the block sums instead of 8.
 constexpr int kInt8Offset = 128, kInt4Offset = 8;
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 

@@ -407,9 +407,9 @@ def read_source_layer(
     """One layer of a Hugging Face model directory, tensor by tensor, stored values as they are:
     BF16 (F16, F32) weights; FP8 codes with their scales (``weight_scale_inv`` per 128 x 128 block,
     or ``weight_scale`` per output channel); INT4 as compressed-tensors packs it (``weight_packed``,
-    RAWINT4) or GPTQ does (``qweight``, symmetric), as INT4 values and scales. ValueError when the
-    weights on disk are not in ``fmt``; NotImplementedError for a format this reader does not take
-    from a source directory."""
+    RAWINT4) or GPTQ does (``qweight``), as INT4 values, scales and (asymmetric GPTQ) zero points.
+    ValueError when the weights on disk are not in ``fmt``; NotImplementedError for a format this
+    reader does not take from a source directory."""
     if fmt.name not in _SOURCE_FORMATS:
         raise NotImplementedError(
             f"{fmt.name} weights are read from converted checkpoints: convert {path} first with "
@@ -432,10 +432,13 @@ def read_source_layer(
         result: dict[str, torch.Tensor] = {}
         for expert in range(num_experts):
             for name, tensors in zip(PROJECTIONS, source.read_stored(described, expert), strict=True):
-                for out, tensor in zip((name, f"{name}_scale"), tensors, strict=False):
+                for out, tensor in zip((name, f"{name}_scale", f"{name}_zeros"), tensors, strict=False):
                     if expert == 0:
                         result[out] = torch.empty((num_experts, *tensor.shape), dtype=tensor.dtype)
                     result[out][expert] = tensor
+    for name in PROJECTIONS:  # symmetric GPTQ: plain INT4, for the kernels without zero points
+        if f"{name}_zeros" in result and not result[f"{name}_zeros"].any():
+            del result[f"{name}_zeros"]
     return result
 
 
@@ -508,12 +511,12 @@ def gptq_to_int4(
     scales: torch.Tensor,
     g_idx: torch.Tensor | None,
     zero_offset: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A symmetric 4-bit GPTQ weight -> canonical INT4 (values [N, K/2], scales [N, K/G] float32):
-    qweight int32 [K/8, N] and qzeros int32 [K/G, N/8] pack eight 4-bit values along K (qweight) or
-    N (qzeros), low bits first; w[n, k] = (q - z) * s with z = the stored zero + zero_offset, which
-    must be 8 for every group (symmetric) to be INT4. NotImplementedError for other zero points or
-    for an act-order g_idx (desc_act=True), which reorders the groups."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit GPTQ weight -> canonical INT4 (values [N, K/2], scales [N, K/G] float32, zero points
+    [N, K/G] int8, all 0 when symmetric): qweight int32 [K/8, N] and qzeros int32 [K/G, N/8] pack
+    eight 4-bit values along K (qweight) or N (qzeros), low bits first; w[n, k] = (q - z) * s with
+    z = the stored zero + zero_offset, i.e. INT4 value q - 8 and zero point z - 8.
+    NotImplementedError for an act-order g_idx (desc_act=True), which reorders the groups."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     q = (qweight.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
     q = q.reshape(-1, qweight.shape[1]).T  # [N, K]
@@ -521,10 +524,12 @@ def gptq_to_int4(
     zeros = ((qzeros.to(torch.int32)[:, :, None] >> shifts) & 0xF).reshape(groups, -1)[:, : q.shape[0]]
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // (k // groups)):
         raise NotImplementedError(f"{name}: GPTQ with act-order (desc_act=True, a reordering g_idx)")
-    if not torch.all(zeros + zero_offset == 8):
-        raise NotImplementedError(f"{name}: asymmetric GPTQ (zero points other than 8) is not supported")
     nibbles = ((q - 8) & 0xF).to(torch.uint8)
-    return (nibbles[:, 0::2] | nibbles[:, 1::2] << 4).contiguous(), scales.float().T.contiguous()
+    return (
+        (nibbles[:, 0::2] | nibbles[:, 1::2] << 4).contiguous(),
+        scales.float().T.contiguous(),
+        (zeros + zero_offset - 8).to(torch.int8).T.contiguous(),
+    )
 
 
 class ExpertSource:
@@ -669,8 +674,8 @@ class ExpertSource:
 
     def read_stored(self, layer: MoELayer, expert: int) -> list[tuple[torch.Tensor, ...]]:
         """Per projection of one expert, the weight as stored and, where it has them, its scales:
-        FP8 (codes uint8, scales float32), INT4 (canonical INT4 values, scales float32); float
-        weights as (weight,)."""
+        FP8 (codes uint8, scales float32), INT4 (canonical INT4 values, scales float32 and, from
+        GPTQ, zero points int8); float weights as (weight,)."""
         if self.naming.fused:
             return [(weight,) for weight in self.read_expert(layer, expert)]
         stored = []
@@ -687,8 +692,9 @@ class ExpertSource:
             stored.append((weight.view(torch.uint8), scale))
         return stored
 
-    def _read_int4(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """A packed INT4 weight as canonical INT4: (two's complement nibbles [N, K/2], scales [N, K/G])."""
+    def _read_int4(self, key: str) -> tuple[torch.Tensor, ...]:
+        """A packed INT4 weight as canonical INT4: (two's complement nibbles [N, K/2], scales [N, K/G])
+        and, from GPTQ, its zero points [N, K/G]."""
         base = key.removesuffix("weight")
         if self._int4_layout(key) == "packed":  # eight q + 8 per int32, low bits first
             words = self.reader.read(base + "weight_packed").contiguous()

@@ -278,6 +278,9 @@ class KTMoEWrapper:
         gate_scale: torch.Tensor | None = None,
         up_scale: torch.Tensor | None = None,
         down_scale: torch.Tensor | None = None,
+        gate_zeros: torch.Tensor | None = None,
+        up_zeros: torch.Tensor | None = None,
+        down_zeros: torch.Tensor | None = None,
     ) -> None:
         """Copy expert weights into engine-owned memory in the method's format.
 
@@ -286,7 +289,10 @@ class KTMoEWrapper:
         method's canonical layout, taken bit-exactly (N x K = I x H for gate/up, H x I for down):
         MXFP4 E2M1 codes [E, N, K/2] (uint8, or int8 viewed as uint8) and E8M0 scales [E, N, K/32]
         (uint8 or float8_e8m0fnu); INT8 int8 [E, N, K] and float32/bf16 scales [E, N]; INT4 uint8
-        (or int8) [E, N, K/2] and float32/bf16 scales [E, N, K/G], G in {32, 64, 128}.
+        (or int8) [E, N, K/2] and float32/bf16 scales [E, N, K/G], G in {32, 64, 128}, and
+        optionally zero points (asymmetric INT4, as GPTQ makes it) gate_zeros/up_zeros/down_zeros:
+        integers in -8..8 shaped like the scales, w = (q - zero) * scale; FP8 uint8 (or
+        float8_e4m3fn) [E, N, K] and float32/bf16 scales [E, N] or [E, N, K/128].
         physical_to_logical_map_cpu[p] is the expert (first dim of the tensors) whose weights
         physical slot p holds; topk_ids name physical slots. Default: identity.
         Nothing refers to the given tensors after this returns.
@@ -294,7 +300,12 @@ class KTMoEWrapper:
         with self._lock:
             self._require_idle("load weights")
             self._load_weights_from_tensors(
-                gate_proj, up_proj, down_proj, physical_to_logical_map_cpu, gate_scale, up_scale, down_scale
+                gate_proj,
+                up_proj,
+                down_proj,
+                physical_to_logical_map_cpu,
+                {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale},
+                {"gate_zeros": gate_zeros, "up_zeros": up_zeros, "down_zeros": down_zeros},
             )
 
     def _load_weights_from_tensors(
@@ -303,26 +314,28 @@ class KTMoEWrapper:
         up_proj: torch.Tensor,
         down_proj: torch.Tensor,
         physical_to_logical_map_cpu: torch.Tensor | None,
-        gate_scale: torch.Tensor | None,
-        up_scale: torch.Tensor | None,
-        down_scale: torch.Tensor | None,
+        scales: dict[str, torch.Tensor | None],
+        zeros: dict[str, torch.Tensor | None],
     ) -> None:
         canonical, slot_map = prepare(
             self._format,
             {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj},
-            {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale},
+            scales,
             physical_to_logical_map_cpu,
             self.num_experts,
             self.hidden_size,
             self.moe_intermediate_size,
+            zeros,
         )
         # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
         # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
         self._loaded = False
-        self._scale_groups = {name: self._format.scale_group(*pair) for name, pair in canonical.items()}
+        self._scale_groups = {name: self._format.scale_group(v, s) for name, (v, s, _) in canonical.items()}
         for sp in self._subpools:
-            tensors = subpool_slice(self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size)
-            sp.engine.load(*tensors, slot_map)
+            tensors, zeros = subpool_slice(
+                self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size
+            )
+            sp.engine.load(*tensors, slot_map, **zeros)
         self._loaded = True
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:

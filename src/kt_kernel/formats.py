@@ -22,6 +22,8 @@ loaded), scales ``[..., N]`` float32, one per output row; w = q * s.
 INT4: values ``[..., N, K/2]`` uint8, two signed 4-bit values per byte (two's complement, -8..7),
 the LOW nibble holds the even k; scales ``[..., N, K/G]`` float32, G = K / scales.shape[-1] in
 {32, 64, 128}; w = q * s[k // G]. ``quantize`` uses -7..7 (symmetric) and G = 128 unless told.
+Optionally zero points (asymmetric checkpoints such as GPTQ's): ``[..., N, K/G]`` int8 in -8..8,
+shaped like the scales; then w = (q - z[k // G]) * s[k // G].
 
 BF16 is the weight itself in bfloat16 (no scales).
 
@@ -86,6 +88,7 @@ class WeightFormat:
     k_multiple: int = field(init=False)
     max_k: int = field(init=False)
     quantized_activations: bool = field(init=False)
+    zero_points: bool = field(init=False)
 
     def __post_init__(self) -> None:
         native = ext.FORMATS[self.name]
@@ -153,11 +156,31 @@ class WeightFormat:
             raise ValueError(f"the weight holds {value} at index {where}: NaN and Inf cannot be quantized")
         return self._encode(weight, self.choose_group(weight.shape[-1], group_size))
 
-    def dequantize(self, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        """Canonical (values, scales) -> float32 weight ``[..., N, K]``."""
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Canonical (values, scales[, zero points]) -> float32 weight ``[..., N, K]``."""
         if self.scale_groups and scales is None:
             raise ValueError(f"{self.name} needs scales")
-        return self._decode(values, scales)
+        if zeros is None:
+            return self._decode(values, scales)
+        zeros = self.checked_zeros("zeros", zeros, scales)
+        return self._decode(values, scales) - self._decode_zeros(zeros, scales, self.inputs(values))
+
+    def checked_zeros(self, name: str, zeros: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Zero points checked against the canonical ``scale`` they go with, as int8."""
+        if not self.zero_points:
+            raise ValueError(f"{self.name} takes no zero points, got {name}")
+        if zeros.dtype.is_floating_point or zeros.dtype.is_complex or zeros.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {zeros.dtype}")
+        require_shape(name, zeros, tuple(scale.shape), "the scales' shape")
+        if zeros.numel() and (zeros.min() < -8 or zeros.max() > 8):
+            raise ValueError(f"{name} must lie in -8..8 (INT4 zero points), got {zeros.min()}..{zeros.max()}")
+        return zeros.to(torch.int8).contiguous()
+
+    def _decode_zeros(self, zeros: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+        """z * s of every weight: what zero points take from the values' decode."""
+        return (zeros.float() * scales.float()).repeat_interleave(k // scales.shape[-1], dim=-1)
 
     def from_float(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float weights ``[E, N, K]`` quantized on load, as the engine takes them (see check_canonical).

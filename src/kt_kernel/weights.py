@@ -9,8 +9,9 @@ from .formats import ShapeOf, WeightFormat, require_shape
 
 #: Float dtypes accepted for weights quantized on load, and for hidden states.
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: Per projection: (values, scales or None), scales [E, N, scales per row], as the engines take them.
-Canonical = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
+#: Per projection: (values, scales or None, zero points or None), scales and zero points
+#: [E, N, scales per row], as the engines take them.
+Canonical = dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
 def require_cpu_tensor(name: str, value: object) -> torch.Tensor:
@@ -34,10 +35,16 @@ def prepare(
     num_experts: int,
     hidden: int,
     intermediate: int,
+    zeros: dict[str, torch.Tensor | None] | None = None,
 ) -> tuple[Canonical, torch.Tensor]:
-    """The canonical gate/up/down of ``weights`` (gate_proj, up_proj, down_proj) and ``scales``
-    (gate_scale, ...; all None: float weights, quantized on load), and the checked slot map."""
+    """The canonical gate/up/down of ``weights`` (gate_proj, up_proj, down_proj), ``scales``
+    (gate_scale, ...; all None: float weights, quantized on load) and ``zeros`` (gate_zeros, ...;
+    each optional, where the format has zero points), and the checked slot map."""
+    zeros = zeros or {}
+    given_zeros = [name for name, zero in zeros.items() if zero is not None]
     given = [name for name, scale in scales.items() if scale is not None]
+    if given_zeros and not given:
+        raise ValueError(f"zero points ({', '.join(given_zeros)}) go with scales; pass gate_scale, ... too")
     if given and not fmt.scale_groups:
         raise ValueError(f"{fmt.name} weights take no scales, got {', '.join(given)}")
     if given and len(given) != 3:
@@ -58,19 +65,25 @@ def prepare(
 
     projections = [name.removesuffix("_proj") for name in weights]
     if given:
-        checked = [
-            fmt.check_canonical(
+        canonical = {}
+        for projection, (name, values), (scale_name, scale) in zip(
+            projections, weights.items(), scales.items(), strict=True
+        ):
+            values, scale = fmt.check_canonical(
                 name, values, scale_name, require_cpu_tensor(scale_name, scale), shape_of(name)
             )
-            for (name, values), (scale_name, scale) in zip(weights.items(), scales.items(), strict=True)
-        ]
-        return dict(zip(projections, checked, strict=True)), slot_map
+            zero_name = f"{projection}_zeros"
+            zero = zeros.get(zero_name)
+            if zero is not None:
+                zero = fmt.checked_zeros(zero_name, require_cpu_tensor(zero_name, zero), scale)
+            canonical[projection] = (values, scale, zero)
+        return canonical, slot_map
     for name, tensor in weights.items():  # every tensor checked before any is quantized
         if tensor.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
         require_shape(name, tensor, *shape_of(name)(1))
     canonical = {
-        p: fmt.from_float(name, t) for p, (name, t) in zip(projections, weights.items(), strict=True)
+        p: (*fmt.from_float(name, t), None) for p, (name, t) in zip(projections, weights.items(), strict=True)
     }
     return canonical, slot_map
 
@@ -96,13 +109,20 @@ def check_slot_map(slot_map: torch.Tensor | None, sources: int, num_experts: int
 
 def subpool_slice(
     fmt: WeightFormat, canonical: Canonical, start: int, stop: int, intermediate: int
-) -> list[torch.Tensor | None]:
+) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor]]:
     """gate, gate_scale, up, up_scale, down, down_scale of intermediate rows [start, stop), as
-    engine.load takes them: gate/up rows with their scales, and those inputs of every down row."""
+    engine.load takes them: gate/up rows with their scales, and those inputs of every down row;
+    and the zero points there are, as its keyword arguments (gate_zeros, ...)."""
     gate, up, down = canonical["gate"], canonical["up"], canonical["down"]
     if (start, stop) != (0, intermediate):
         gate, up = (
-            [None if t is None else t[:, start:stop].contiguous() for t in pair] for pair in (gate, up)
+            [None if t is None else t[:, start:stop].contiguous() for t in triple] for triple in (gate, up)
         )
-        down = fmt.slice_inputs(*down, start, stop)
-    return [*gate, *up, *down]
+        values, scale, zero = down
+        group = fmt.scale_group(values, scale)
+        down = (*fmt.slice_inputs(values, scale, start, stop), None)
+        if zero is not None:
+            down = (*down[:2], zero[..., start // group : stop // group].contiguous())
+    projections = {"gate": gate, "up": up, "down": down}
+    zeros = {f"{p}_zeros": t[2] for p, t in projections.items() if t[2] is not None}
+    return [*gate[:2], *up[:2], *down[:2]], zeros

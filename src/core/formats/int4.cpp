@@ -34,6 +34,19 @@ void pack(const uint8_t* q, const uint8_t* scale_bytes, int rows, int k, int sca
   }
 }
 
+// Canonical offsets z' (weights (q - z') * s) -> the zero points of the stored q + 8, as int32.
+void pack_zeros(const int8_t* zeros, int rows, int k, int scale_group, uint8_t* packed_zeros) {
+  const int per_row = k / scale_group;
+  for (int g = 0; g < packed_groups(rows); ++g) {
+    int32_t* group = reinterpret_cast<int32_t*>(packed_zeros + g * group_scale_bytes(k, scale_group));
+    for (int r = 0; r < kGroupRows; ++r) {
+      const size_t row = size_t(g) * kGroupRows + r;
+      for (int s = 0; s < per_row; ++s)
+        group[s * kGroupRows + r] = kInt4Offset + (row < size_t(rows) ? zeros[row * per_row + s] : 0);
+    }
+  }
+}
+
 void unpack(const PackedGroups& w, const UnpackRegion& region) {
   for (int i = 0; i < region.rows; ++i) {
     const int row = region.row0 + i, r = row % kGroupRows;
@@ -70,6 +83,7 @@ extern const FormatTraits kInt4Format = {
     .pack = pack,
     .unpack = unpack,
     .gemm = &Kernels::int4,
+    .pack_zeros = pack_zeros,
 };
 
 KT_NAMESPACE_END
