@@ -4,8 +4,8 @@
 // 4-bit format adds (Int4Format, Mxfp4Format below). Layouts and weight offsets: kernels.h.
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
-// sub_epi32, mullo_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per index < 16) and
-// e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the fp32 denormal 2^-127).
+// sub_epi32, mullo_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per
+// index < 16) and e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the fp32 denormal 2^-127).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
 // 32-bit lane sum of 4 u8 x s8; for the 4-bit tiles also dot2(acc, w1, a1, w2, a2) =

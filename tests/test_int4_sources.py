@@ -138,6 +138,10 @@ def test_asymmetric_gptq_runs_with_its_zero_points(tmp_path, group, offset):
         assert f"{name}_zeros" in tensors
         assert torch.equal(decoded(tensors, name, group), full[p])
     assert_forward_matches(tmp_path / "model", "GPTQ_INT4", full, tokens=7, seed=4)
+    moe = moe_wrapper(E, K, H, I, method="GPTQ_INT4", weight_path=str(tmp_path / "model"))
+    moe.load_weights()
+    with pytest.raises(NotImplementedError, match="zero points"):  # would lose them
+        moe.submit_write_weight_scale_to_buffer(1, 0, [0], [0], [0], [0])
 
 
 def test_symmetric_gptq_loads_without_zero_points(tmp_path):

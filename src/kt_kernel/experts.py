@@ -185,6 +185,7 @@ class KTMoEWrapper:
         self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
+        self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
         self._loaded = False
         # _lock guards the engines and _in_flight: every method takes turns on it, so calls from
         # several Python threads are serialized (or refused while a forward is in flight).
@@ -331,6 +332,7 @@ class KTMoEWrapper:
         # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
         self._loaded = False
         self._scale_groups = {name: self._format.scale_group(v, s) for name, (v, s, _) in canonical.items()}
+        self._zero_points = any(zeros is not None for _, _, zeros in canonical.values())
         for sp in self._subpools:
             tensors, zeros = subpool_slice(
                 self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size
@@ -539,6 +541,11 @@ class KTMoEWrapper:
             self._require_idle("write weights back")
             if not self._loaded:
                 raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
+            if self._zero_points:
+                raise NotImplementedError(
+                    "weights loaded with zero points (asymmetric INT4) have no GPU buffer layout: "
+                    "the buffers hold values and scales only"
+                )
             fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
             tp = _require_int("gpu_tp_count", gpu_tp_count, 1)
             down_group = self._scale_groups["down"]
