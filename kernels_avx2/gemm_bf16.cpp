@@ -89,9 +89,11 @@ struct FmaFp8 : Vec {
     __m256 even, odd;
   };
   using Act = Line;
-  static Line widen(__m256i pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
-  static Line from_codes(const uint8_t* codes) { return widen(decode_fp8_line(codes)); }
-  static Line from_bf16(const bf16_t* line) { return widen(_mm256_load_si256(reinterpret_cast<const __m256i*>(line))); }
+  using Bits = __m256i;
+  static Bits decode_bits(const uint8_t* codes) { return decode_fp8_line(codes); }
+  static Bits load_bits(const bf16_t* line) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(line)); }
+  static void store_bits(bf16_t* line, Bits bits) { _mm256_store_si256(reinterpret_cast<__m256i*>(line), bits); }
+  static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
   static Act act(Row x, int p) { return {_mm256_broadcast_ss(x + 2 * p), _mm256_broadcast_ss(x + 2 * p + 1)}; }
   static Float dot(Float acc, const Line& w, const Act& a) {
     return _mm256_fmadd_ps(a.odd, w.odd, _mm256_fmadd_ps(a.even, w.even, acc));
@@ -104,7 +106,7 @@ void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_st
   const float* widened = widen_rows(x, w.k);
   const size_t row_elems = size_t(round_up(w.k, 2));
   // Few rows: 2 x 1 tiles (their sums, the block sums and 4 weight vectors fill the 16 ymm).
-  gemm_fp8<FmaFp8, 2, 1, 4, 1, decode_fp8>([&](int i) { return widened + i * row_elems; }, x.rows, w, y, y_stride);
+  gemm_fp8<FmaFp8, 2, 1, 4, 1>([&](int i) { return widened + i * row_elems; }, x.rows, w, y, y_stride);
 }
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

@@ -34,14 +34,6 @@ inline __m256i decode_fp8_line(const uint8_t* codes) {
   return _mm256_or_si256(_mm256_blendv_epi8(normal, subnormal, is_subnormal), sign);
 }
 
-// count codes -> bf16 in memory, count a multiple of 16 (the stack driver of fp8_tiles.h).
-inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
-  for (size_t i = 0; i < count; i += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out + i), decode_fp8_line(codes + i));
-  }
-}
-
 // bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
 inline __m256 even_bf16(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
 inline __m256 odd_bf16(__m256i pairs) {

@@ -42,17 +42,10 @@ __m512i decode_fp8_line_vbmi(const uint8_t* codes) {
   return _mm512_ternarylogic_epi32(magnitude, index, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);  // | sign
 }
 
-void decode_fp8_vbmi(const uint8_t* codes, bf16_t* out, size_t count) {
-  for (size_t i = 0; i < count; i += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    _mm512_store_si512(out + i, decode_fp8_line_vbmi(codes + i));
-  }
-}
-
 }  // namespace
 
 void gemm_fp8_vdpbf16ps_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8<DpBf16Fp8<decode_fp8_line_vbmi>, 4, 2, kDpRows, kDpGroups, decode_fp8_vbmi>(
+  gemm_fp8<DpBf16Fp8<decode_fp8_line_vbmi>, 4, 2, kDpRows, kDpGroups>(
       [&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
 }
 

@@ -47,10 +47,12 @@ struct FmaFp8 : Vec {
     __m512 even, odd;
   };
   using Act = Line;
-  static Line widen(__m512i pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
-  static Line from_codes(const uint8_t* codes) { return widen(decode_fp8_line(codes)); }
-  static Line from_bf16(const bf16_t* line) { return widen(_mm512_load_si512(line)); }
-  static Act act(Row x, int p) { return widen(_mm512_set1_epi32(load_bf16_pair(x + 2 * p))); }
+  using Bits = __m512i;
+  static Bits decode_bits(const uint8_t* codes) { return decode_fp8_line(codes); }
+  static Bits load_bits(const bf16_t* line) { return _mm512_load_si512(line); }
+  static void store_bits(bf16_t* line, Bits bits) { _mm512_store_si512(line, bits); }
+  static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  static Act act(Row x, int p) { return line_of(_mm512_set1_epi32(load_bf16_pair(x + 2 * p))); }
   static Float dot(Float acc, const Line& w, const Act& a) {
     return _mm512_fmadd_ps(a.odd, w.odd, _mm512_fmadd_ps(a.even, w.even, acc));
   }
@@ -59,7 +61,7 @@ struct FmaFp8 : Vec {
 }  // namespace
 
 void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8<FmaFp8, 4, 2, kFmaRows, kFmaGroups, decode_fp8>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+  gemm_fp8<FmaFp8, 4, 2, kFmaRows, kFmaGroups>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
 }
 
 void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

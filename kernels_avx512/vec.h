@@ -80,7 +80,7 @@ inline __m512i decode_fp8_line(const uint8_t* codes) {
   return _mm512_or_si512(_mm512_mask_blend_epi16(is_subnormal, normal, subnormal), sign);
 }
 
-// count codes -> bf16 in memory, count a multiple of 32 (the stack driver of fp8_tiles.h).
+// count codes -> bf16 in memory, count a multiple of 32 (the amx build, fp8_via_bf16.h).
 inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   for (size_t i = 0; i < count; i += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
@@ -96,8 +96,11 @@ struct DpBf16Fp8 : Vec {
   using Row = const bf16_t*;
   using Line = __m512bh;
   using Act = __m512bh;
-  static Line from_codes(const uint8_t* codes) { return (__m512bh)Decode(codes); }
-  static Line from_bf16(const bf16_t* line) { return (__m512bh)_mm512_load_si512(line); }
+  using Bits = __m512i;
+  static Bits decode_bits(const uint8_t* codes) { return Decode(codes); }
+  static Bits load_bits(const bf16_t* line) { return _mm512_load_si512(line); }
+  static void store_bits(bf16_t* line, Bits bits) { _mm512_store_si512(line, bits); }
+  static Line line_of(Bits bits) { return (__m512bh)bits; }
   static Act act(Row x, int p) { return (__m512bh)_mm512_set1_epi32(load_bf16_pair(x + 2 * p)); }
   static Float dot(Float acc, Line w, Act a) { return _mm512_dpbf16_ps(acc, a, w); }
 };

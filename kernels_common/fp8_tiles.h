@@ -2,29 +2,34 @@
 //  - few activation rows (decode, memory-bound): the tiles decode the E4M3 codes in registers, so
 //    each code is read once from DRAM and nothing goes through memory; every scale block's sums
 //    stay in registers and are scaled there;
-//  - many rows (prefill): a few groups x one scale block are decoded to the stack once, and tiles
-//    over all the rows add that block's scaled product to y.
+//  - many rows (prefill): per few groups x one scale block, the first tile of rows decodes the codes
+//    as it multiplies and leaves them on the stack, the other tiles of rows read them there; each
+//    adds its scaled product of the block to y.
 //
 // P (one bf16 multiply path of a build: vdpbf16ps, or fp32 FMA on widened bf16) provides the vector
 // traits of int_tiles.h that the tiles use (Float, kLanes, load_ps, set1_ps, fmadd, storeu_ps) and:
 //   Row: an activation row handle; Act act(Row x, int p): inputs 2p, 2p + 1 of a row;
-//   Line from_codes(const uint8_t* codes): 2 * kLanes packed codes (kLanes rows x one input pair);
-//   Line from_bf16(const bf16_t* line): the same, already decoded to the BF16 layout;
+//   Bits decode_bits(const uint8_t* codes): 2 * kLanes packed codes (kLanes rows x one input pair)
+//   as bf16 (a vector of them in the BF16 layout); Bits load_bits(const bf16_t*), store_bits(bf16_t*,
+//   Bits): such a vector in memory; Line line_of(Bits): the operand(s) dot takes;
 //   Float dot(Float acc, const Line&, const Act&): acc + the kLanes rows' products.
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <utility>
 
 #include "fp8_via_bf16.h"
 #include "gemm_tiles.h"
 
 KT_NAMESPACE_BEGIN
 
-// kFromCodes: the tile reads packed codes (every scale block of w.k), else decoded bf16 (w holds
-// one block: scale_group 0). kAddToY: y += the tile's product (the later blocks of the stack driver).
+// kFromCodes: the tile reads packed codes, else decoded bf16 lines. kAddToY: y += the tile's
+// product (the later blocks of the stack driver).
 template <class P, bool kFromCodes, bool kAddToY = false>
 struct Fp8Tiles {
   using Float = typename P::Float;
+  using Row = typename P::Row;
   static constexpr int kVecsPerGroup = kGroupRows / P::kLanes;
   static constexpr int kValueBytes = kFromCodes ? 1 : int(sizeof(bf16_t));
 
@@ -32,16 +37,20 @@ struct Fp8Tiles {
   struct Tile {
     static constexpr int kVecs = NV * kVecsPerGroup;
 
-    // Vector v: group v / kVecsPerGroup, rows (v % kVecsPerGroup) * kLanes onwards.
-    static typename P::Line line(const PackedGroups& w, int v, int p) {
+    // Vector v: group v / kVecsPerGroup, rows (v % kVecsPerGroup) * kLanes onwards. With `store`
+    // (codes only), the decoded line is also written there in the BF16 layout, store_group_elems
+    // bf16 per group.
+    static typename P::Line line(const PackedGroups& w, int v, int p, bf16_t* store, size_t store_group_elems) {
       const int part = v % kVecsPerGroup;
-      const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes +
-                          (size_t(p) * kGroupRows + part * P::kLanes) * 2 * kValueBytes;
+      const size_t offset = size_t(p) * kGroupRows + part * P::kLanes;  // in pairs
+      const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kValueBytes;
       if constexpr (kFromCodes) {
         if (part == 0) prefetch_weights(w, at);  // one pair of a group: 32 bytes, one prefetch
-        return P::from_codes(at);
+        const typename P::Bits bits = P::decode_bits(at);
+        if (store != nullptr) P::store_bits(store + (v / kVecsPerGroup) * store_group_elems + offset * 2, bits);
+        return P::line_of(bits);
       } else {
-        return P::from_bf16(reinterpret_cast<const bf16_t*>(at));
+        return P::line_of(P::load_bits(reinterpret_cast<const bf16_t*>(at)));
       }
     }
     static Float scale(const PackedGroups& w, int v, int block) {
@@ -49,52 +58,66 @@ struct Fp8Tiles {
                         block * kGroupRows + (v % kVecsPerGroup) * P::kLanes);
     }
     // sums[i][v] = the products of input pairs [p0, p1).
-    static void block_sums(const typename P::Row* x, const PackedGroups& w, int p0, int p1, Float (&sums)[M][kVecs]) {
+    static void block_sums(const Row* x, const PackedGroups& w, int p0, int p1, Float (&sums)[M][kVecs],
+                           bf16_t* store = nullptr) {
+      const size_t store_group_elems = size_t(p1 - p0) * 2 * kGroupRows;
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) sums[i][v] = P::set1_ps(0.0f);
       for (int p = p0; p < p1; ++p) {
         typename P::Line lines[kVecs];
-        for (int v = 0; v < kVecs; ++v) lines[v] = line(w, v, p);
+        for (int v = 0; v < kVecs; ++v) lines[v] = line(w, v, p, store, store_group_elems);
         for (int i = 0; i < M; ++i) {
           const typename P::Act a = P::act(x[i], p);
           for (int v = 0; v < kVecs; ++v) sums[i][v] = P::dot(sums[i][v], lines[v], a);
         }
       }
     }
-    static Float added(Float product, const float* y) {
-      if constexpr (kAddToY) return P::add_ps(product, P::loadu_ps(y));
-      return product;
+
+    // Every scale block of w.k (the codes, in registers): gemm_tiled's tile.
+    static void run(const Row* x, const PackedGroups& w, float* y, size_t y_stride) {
+      const int pairs = round_up(w.k, 2) / 2;
+      const int block_pairs = w.scale_group > 0 ? w.scale_group / 2 : pairs;
+      Float sums[M][kVecs], acc[M][kVecs];
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < kVecs; ++v) acc[i][v] = P::set1_ps(0.0f);
+      for (int p0 = 0, block = 0; p0 < pairs; p0 += block_pairs, ++block) {
+        block_sums(x, w, p0, std::min(pairs, p0 + block_pairs), sums);
+        for (int v = 0; v < kVecs; ++v) {
+          const Float s = scale(w, v, block);
+          for (int i = 0; i < M; ++i) acc[i][v] = P::fmadd(sums[i][v], s, acc[i][v]);
+        }
+      }
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < kVecs; ++v) P::storeu_ps(y + i * y_stride + v * P::kLanes, acc[i][v]);
     }
 
-    static void run(const typename P::Row* x, const PackedGroups& w, float* y, size_t y_stride) {
-      const int pairs = round_up(w.k, 2) / 2;
+    // w.k inputs under one scale (w.scale_group 0): the stack driver's tile. `store`: see line().
+    static void run_block(const Row* x, const PackedGroups& w, bf16_t* store, float* y, size_t y_stride) {
       Float sums[M][kVecs];
-      if constexpr (!kFromCodes) {  // one block
-        block_sums(x, w, 0, pairs, sums);
-        for (int v = 0; v < kVecs; ++v) {
-          const Float s = scale(w, v, 0);
-          for (int i = 0; i < M; ++i) {
-            float* out = y + i * y_stride + v * P::kLanes;
-            P::storeu_ps(out, added(P::mul(sums[i][v], s), out));
-          }
+      block_sums(x, w, 0, round_up(w.k, 2) / 2, sums, store);
+      for (int v = 0; v < kVecs; ++v) {
+        const Float s = scale(w, v, 0);
+        for (int i = 0; i < M; ++i) {
+          float* out = y + i * y_stride + v * P::kLanes;
+          const Float product = P::mul(sums[i][v], s);
+          if constexpr (kAddToY)
+            P::storeu_ps(out, P::add_ps(product, P::loadu_ps(out)));
+          else
+            P::storeu_ps(out, product);
         }
-      } else {
-        const int block_pairs = w.scale_group > 0 ? w.scale_group / 2 : pairs;
-        Float acc[M][kVecs];
-        for (int i = 0; i < M; ++i)
-          for (int v = 0; v < kVecs; ++v) acc[i][v] = P::set1_ps(0.0f);
-        for (int p0 = 0, block = 0; p0 < pairs; p0 += block_pairs, ++block) {
-          block_sums(x, w, p0, std::min(pairs, p0 + block_pairs), sums);
-          for (int v = 0; v < kVecs; ++v) {
-            const Float s = scale(w, v, block);
-            for (int i = 0; i < M; ++i) acc[i][v] = P::fmadd(sums[i][v], s, acc[i][v]);
-          }
-        }
-        for (int i = 0; i < M; ++i)
-          for (int v = 0; v < kVecs; ++v) P::storeu_ps(y + i * y_stride + v * P::kLanes, acc[i][v]);
       }
     }
   };
+
+  // run_block of Tile<M, NV> for M = 1..MaxM, NV = 1..MaxNV, at [(M - 1) * MaxNV + NV - 1].
+  using BlockFn = void (*)(const Row*, const PackedGroups&, bf16_t*, float*, size_t);
+  template <int MaxM, int MaxNV, size_t... I>
+  static constexpr std::array<BlockFn, sizeof...(I)> block_table(std::index_sequence<I...>) {
+    return {{&Tile<int(I / MaxNV) + 1, int(I % MaxNV) + 1>::run_block...}};
+  }
+  template <int MaxM, int MaxNV>
+  static constexpr std::array<BlockFn, MaxM * MaxNV> kBlockTable =
+      block_table<MaxM, MaxNV>(std::make_index_sequence<MaxM * MaxNV>{});
 };
 
 // Few rows: codes decoded in the tiles' registers. row_of(i) -> P::Row.
@@ -103,45 +126,51 @@ void gemm_fp8_in_registers(RowOf row_of, int rows, const PackedGroups& w, float*
   gemm_tiled<Fp8Tiles<P, true>::template Tile, MaxM, NV, typename P::Row>(row_of, rows, w, y, y_stride);
 }
 
-// Many rows: kGroups groups x one scale block decoded to the stack (16 KiB) once for all the rows.
-template <class P, int MaxM, int NV, Fp8DecodeFn Decode, class RowOf>
+// Many rows: NV groups x one scale block at a time. The first tile of rows decodes the codes as it
+// multiplies and leaves them on the stack (16 KiB), so the decoding overlaps its multiply-adds; the
+// other tiles of rows read them there.
+template <class P, int MaxM, int NV, class RowOf>
 void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_stride) {
-  constexpr int kGroups = 4;
-  alignas(64) bf16_t decoded[kGroups * kGroupRows * kFp8Block];
+  alignas(64) bf16_t decoded[NV * kGroupRows * kFp8Block];
   const int block = w.scale_group > 0 ? w.scale_group : kFp8Block;
   const int k_even = round_up(w.k, 2);
-  for (int g0 = 0; g0 < w.groups; g0 += kGroups) {
-    const int groups = std::min(kGroups, w.groups - g0);
+  const int row_blocks = ceil_div(rows, MaxM);  // of near-equal size, as gemm_tiled makes them
+  for (int g0 = 0; g0 < w.groups; g0 += NV) {
+    const int groups = std::min(NV, w.groups - g0);
     for (int k0 = 0; k0 < k_even; k0 += block) {
       const int inputs = std::min(block, k_even - k0);  // even
-      const size_t block_bytes = size_t(inputs) * kGroupRows;  // one group's codes of the block
-      for (int g = 0; g < groups; ++g)
-        Decode(w.values + size_t(g0 + g) * w.group_bytes + size_t(k0) * kGroupRows, decoded + g * block_bytes,
-               block_bytes);
       const int scale_index = w.scale_group > 0 ? k0 / w.scale_group : 0;
-      const PackedGroups d{reinterpret_cast<const uint8_t*>(decoded),
-                           w.scales + size_t(g0) * w.group_scale_bytes + scale_index * kGroupRows * sizeof(float),
-                           block_bytes * sizeof(bf16_t), w.group_scale_bytes, inputs, groups};
-      const auto rows_from_k0 = [&](int i) { return row_of(i) + k0; };
-      float* y_groups = y + g0 * kGroupRows;
-      if (k0 == 0)
-        gemm_tiled<Fp8Tiles<P, false>::template Tile, MaxM, NV, typename P::Row>(rows_from_k0, rows, d, y_groups,
-                                                                                  y_stride);
-      else
-        gemm_tiled<Fp8Tiles<P, false, true>::template Tile, MaxM, NV, typename P::Row>(rows_from_k0, rows, d,
-                                                                                        y_groups, y_stride);
+      const uint8_t* scales = w.scales + size_t(g0) * w.group_scale_bytes + scale_index * kGroupRows * sizeof(float);
+      const PackedGroups codes{w.values + size_t(g0) * w.group_bytes + size_t(k0) * kGroupRows, scales,
+                               w.group_bytes, w.group_scale_bytes, inputs, groups};
+      const PackedGroups bf16{reinterpret_cast<const uint8_t*>(decoded), scales, size_t(inputs) * kGroupRows * sizeof(bf16_t),
+                              w.group_scale_bytes, inputs, groups};
+      for (int b = 0, i0 = 0; b < row_blocks; ++b) {
+        const int mm = ceil_div(rows - i0, row_blocks - b);
+        typename P::Row x[MaxM];
+        for (int i = 0; i < mm; ++i) x[i] = row_of(i0 + i) + k0;
+        const size_t at = size_t(mm - 1) * NV + (groups - 1);
+        float* y_block = y + size_t(i0) * y_stride + g0 * kGroupRows;
+        if (b == 0)
+          (k0 == 0 ? Fp8Tiles<P, true>::template kBlockTable<MaxM, NV>
+                   : Fp8Tiles<P, true, true>::template kBlockTable<MaxM, NV>)[at](x, codes, decoded, y_block, y_stride);
+        else
+          (k0 == 0 ? Fp8Tiles<P, false>::template kBlockTable<MaxM, NV>
+                   : Fp8Tiles<P, false, true>::template kBlockTable<MaxM, NV>)[at](x, bf16, nullptr, y_block, y_stride);
+        i0 += mm;
+      }
     }
   }
 }
 
 // The FP8 GEMM of one path: in registers up to `Few` rows (Few x FewGroups tiles; more rows would
 // decode each code again per tile), else through the stack (Many x ManyGroups tiles).
-template <class P, int Few, int FewGroups, int Many, int ManyGroups, Fp8DecodeFn Decode, class RowOf>
+template <class P, int Few, int FewGroups, int Many, int ManyGroups, class RowOf>
 void gemm_fp8(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_stride) {
   if (rows <= Few)
     gemm_fp8_in_registers<P, Few, FewGroups>(row_of, rows, w, y, y_stride);
   else
-    gemm_fp8_decoded<P, Many, ManyGroups, Decode>(row_of, rows, w, y, y_stride);
+    gemm_fp8_decoded<P, Many, ManyGroups>(row_of, rows, w, y, y_stride);
 }
 
 KT_NAMESPACE_END
