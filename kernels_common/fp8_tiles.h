@@ -127,7 +127,7 @@ void gemm_fp8_in_registers(RowOf row_of, int rows, const PackedGroups& w, float*
 }
 
 // Many rows: NV groups x one scale block at a time. The first tile of rows decodes the codes as it
-// multiplies and leaves them on the stack (16 KiB), so the decoding overlaps its multiply-adds; the
+// multiplies and leaves them on the stack (NV x 4 KiB), so the decoding overlaps its multiply-adds; the
 // other tiles of rows read them there.
 template <class P, int MaxM, int NV, class RowOf>
 void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_stride) {
