@@ -249,15 +249,23 @@ class WeightFormat:
         return self.inputs(values) // scale.shape[-1]
 
     def slice_inputs(
-        self, values: torch.Tensor, scale: torch.Tensor | None, start: int, stop: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Inputs [start, stop) of every row of a canonical (values, scale) pair: values by their
-        packing, group scales by group; a per-row scale covers every slice and stays whole."""
+        self,
+        values: torch.Tensor,
+        scale: torch.Tensor | None,
+        zeros: torch.Tensor | None,
+        start: int,
+        stop: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Inputs [start, stop) of every row of canonical (values, scale, zero points): values by
+        their packing, group scales and zero points by group; a per-row scale covers every slice and
+        stays whole."""
         group = self.scale_group(values, scale)
         if group:
             scale = scale[..., start // group : stop // group].contiguous()
+            if zeros is not None:
+                zeros = zeros[..., start // group : stop // group].contiguous()
         per_element = self._inputs_per_element(values)
-        return values[..., start // per_element : stop // per_element].contiguous(), scale
+        return values[..., start // per_element : stop // per_element].contiguous(), scale, zeros
 
     def canonical_bytes(self, inputs: int) -> int:
         """Bytes of ``inputs`` canonical values of one row."""

@@ -118,11 +118,7 @@ def subpool_slice(
         gate, up = (
             [None if t is None else t[:, start:stop].contiguous() for t in triple] for triple in (gate, up)
         )
-        values, scale, zero = down
-        group = fmt.scale_group(values, scale)
-        down = (*fmt.slice_inputs(values, scale, start, stop), None)
-        if zero is not None:
-            down = (*down[:2], zero[..., start // group : stop // group].contiguous())
+        down = fmt.slice_inputs(*down, start, stop)
     projections = {"gate": gate, "up": up, "down": down}
     zeros = {f"{p}_zeros": t[2] for p, t in projections.items() if t[2] is not None}
     return [*gate[:2], *up[:2], *down[:2]], zeros
