@@ -17,26 +17,8 @@ constexpr int kInputsPerTile = 2 * kTileRows;
 // y[0:32][0:32] for 32 contiguous activation rows (row stride x_bytes) and groups g, g+1.
 void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const uint8_t* group1, int k, float* y,
                 size_t y_stride) {
-  // Tiles 0-3: C (tokens 0-15 / 16-31 x groups 0 / 1); 4-5: A (activations); 6-7: B (weights).
-  KT_TILE_ZERO(0);
-  KT_TILE_ZERO(1);
-  KT_TILE_ZERO(2);
-  KT_TILE_ZERO(3);
-  for (int k0 = 0; k0 < k; k0 += kInputsPerTile) {
-    KT_TILE_LOAD(4, x + k0 * sizeof(bf16_t), x_bytes);
-    KT_TILE_LOAD(5, x + kTileRows * x_bytes + k0 * sizeof(bf16_t), x_bytes);
-    KT_TILE_LOAD(6, group0 + size_t(k0 / 2) * kTileBytes, kTileBytes);
-    KT_TILE_LOAD(7, group1 + size_t(k0 / 2) * kTileBytes, kTileBytes);
-    KT_TILE_DOT_BF16(0, 4, 6);
-    KT_TILE_DOT_BF16(1, 4, 7);
-    KT_TILE_DOT_BF16(2, 5, 6);
-    KT_TILE_DOT_BF16(3, 5, 7);
-  }
-  const size_t y_bytes = y_stride * sizeof(float);
-  KT_TILE_STORE(0, y, y_bytes);
-  KT_TILE_STORE(1, y + kGroupRows, y_bytes);
-  KT_TILE_STORE(2, y + kTileRows * y_stride, y_bytes);
-  KT_TILE_STORE(3, y + kTileRows * y_stride + kGroupRows, y_bytes);
+  block_product(x, x_bytes, group0, group1, size_t(k) * sizeof(bf16_t), kTileBytes, block_dots_bf16);
+  store_block(y, y_stride * sizeof(float));
 }
 
 }  // namespace
@@ -44,7 +26,7 @@ void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const u
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().bf16(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
-  tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
+  tiles_and_edges(x, w, y, y_stride, TileConfig(), [&](int tile_rows, int tile_groups) {
     // Tiles load rows with one stride: gather routed rows into a contiguous block first.
     const bf16_t* rows = x.base;
     size_t row_elems = x.stride;
@@ -60,6 +42,30 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
                    w.values + g * w.group_bytes, w.values + (g + 1) * w.group_bytes, w.k,
                    y + size_t(i) * y_stride + g * kGroupRows, y_stride);
   }, avx512);
+}
+
+double tile_bf16_peak_probe(int64_t iterations) {
+#ifdef KT_AMX_EMULATED
+  (void)iterations;
+  return 0.0;  // software tiles have no peak worth reporting
+#else
+  // Four independent C tiles, A and B loaded once (zeros: the rate does not depend on the values).
+  alignas(64) static const uint8_t zeros[kTileRows * kTileBytes] = {};
+  configure_tiles(TileConfig());
+  KT_TILE_ZERO(0);
+  KT_TILE_ZERO(1);
+  KT_TILE_ZERO(2);
+  KT_TILE_ZERO(3);
+  KT_TILE_LOAD(4, zeros, kTileBytes);
+  KT_TILE_LOAD(5, zeros, kTileBytes);
+  KT_TILE_LOAD(6, zeros, kTileBytes);
+  KT_TILE_LOAD(7, zeros, kTileBytes);
+  const int64_t rounds = std::max<int64_t>(iterations / 4, 1);
+  for (int64_t i = 0; i < rounds; ++i) block_dots_bf16();
+  release_tiles();
+  constexpr double kFlopsPerProduct = 2.0 * kTileRows * kTileRows * 2 * kTileRows;  // 16 x 16 outputs, 32 inputs
+  return double(rounds) * 4 * kFlopsPerProduct;
+#endif
 }
 
 }  // namespace amx

@@ -16,26 +16,8 @@ constexpr int kInputsPerTile = 64;
 
 // sums[0:32][0:32] for 32 contiguous quantized rows (row stride x_bytes) and groups g, g+1.
 void tile_block(const int8_t* x, size_t x_bytes, const uint8_t* group0, const uint8_t* group1, int k, int32_t* sums) {
-  // Tiles 0-3: C (rows 0-15 / 16-31 x groups 0 / 1); 4-5: A (activations); 6-7: B (weights).
-  KT_TILE_ZERO(0);
-  KT_TILE_ZERO(1);
-  KT_TILE_ZERO(2);
-  KT_TILE_ZERO(3);
-  for (int k0 = 0; k0 < k; k0 += kInputsPerTile) {
-    KT_TILE_LOAD(4, x + k0, x_bytes);
-    KT_TILE_LOAD(5, x + kTileRows * x_bytes + k0, x_bytes);
-    KT_TILE_LOAD(6, group0 + size_t(k0 / 4) * kTileBytes, kTileBytes);
-    KT_TILE_LOAD(7, group1 + size_t(k0 / 4) * kTileBytes, kTileBytes);
-    KT_TILE_DOT_S8U8(0, 4, 6);
-    KT_TILE_DOT_S8U8(1, 4, 7);
-    KT_TILE_DOT_S8U8(2, 5, 6);
-    KT_TILE_DOT_S8U8(3, 5, 7);
-  }
-  constexpr size_t sums_bytes = 2 * kGroupRows * sizeof(int32_t);
-  KT_TILE_STORE(0, sums, sums_bytes);
-  KT_TILE_STORE(1, sums + kGroupRows, sums_bytes);
-  KT_TILE_STORE(2, sums + kTileRows * 2 * kGroupRows, sums_bytes);
-  KT_TILE_STORE(3, sums + kTileRows * 2 * kGroupRows + kGroupRows, sums_bytes);
+  block_product(x, x_bytes, group0, group1, k, kTileBytes, block_dots_s8u8);
+  store_block(sums, 2 * kGroupRows * sizeof(int32_t));
 }
 
 }  // namespace
@@ -43,7 +25,7 @@ void tile_block(const int8_t* x, size_t x_bytes, const uint8_t* group0, const ui
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().int8(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
-  tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
+  tiles_and_edges(x, w, y, y_stride, TileConfig(), [&](int tile_rows, int tile_groups) {
     // Tiles load rows with one stride: gather routed rows into a contiguous block first.
     const int8_t* rows = x.quantized.values;
     size_t row_bytes = x.quantized.stride;

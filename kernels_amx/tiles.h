@@ -6,6 +6,8 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "kernels.h"
@@ -13,18 +15,32 @@
 KT_NAMESPACE_BEGIN
 namespace amx {
 
-// The amx build's tile GEMMs (gemm_bf16.cpp, gemm_int8.cpp); entry.cpp puts them in the kernel table.
+// The amx build's tile GEMMs (gemm_bf16.cpp, gemm_int8.cpp, gemm_four_bit.cpp); entry.cpp puts them
+// in the kernel table.
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+// The flops of `iterations` rounds of tdpbf16ps on the calling thread (0 on emulated tiles).
+double tile_bf16_peak_probe(int64_t iterations);
 
-constexpr int kTileRows = 16;   // rows of every tile used here
+constexpr int kTileRows = 16;   // rows of the C and A tiles
 constexpr int kTileBytes = 64;  // bytes per row: 16 fp32, or 32 bf16 (16 pairs)
 
-// Palette 1 with tiles 0-7 all 16 rows x 64 bytes.
+// Palette 1: tiles 0-3 (C) 16 rows x 64 bytes; 4-5 (A) 16 rows x a_bytes; 6-7 (B) a_bytes / 4 rows x
+// 64 bytes. a_bytes < 64 gives tile products over fewer inputs (the 4-bit formats' 32-input scale
+// groups).
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes, kTileBytes};
-  uint8_t rows[16] = {kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows, kTileRows};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  constexpr TileConfig() : TileConfig(kTileBytes) {}
+  constexpr explicit TileConfig(int a_bytes) {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = uint16_t(t == 4 || t == 5 ? a_bytes : kTileBytes);
+      rows[t] = uint8_t(t >= 6 ? a_bytes / 4 : kTileRows);
+    }
+  }
 };
 
 #ifndef KT_AMX_EMULATED
@@ -37,40 +53,53 @@ inline void release_tiles() { _tile_release(); }
 #define KT_TILE_DOT_BF16(c, a, b) _tile_dpbf16ps(c, a, b)  // C[m][n] += sum_p A[m][pair p] . B[p][n]
 #define KT_TILE_DOT_S8U8(c, a, b) _tile_dpbsud(c, a, b)    // C[m][n] += sum_p s8 A[m][quad p] . u8 B[p][n]
 #else
-// Software tiles: eight 16 x 64-byte registers per thread; TDPBF16PS as the ISA reference defines it
-// (fp32 products of bf16 pairs, accumulated in order into the fp32 element).
+// Software tiles: eight registers of up to 16 x 64 bytes per thread, shaped by the last
+// configure_tiles; TDPBF16PS as the ISA reference defines it (fp32 products of bf16 pairs,
+// accumulated in order into the fp32 element). A product whose tile shapes do not fit together
+// aborts, as the hardware would fault.
 struct EmulatedTiles {
   alignas(64) static inline thread_local uint8_t reg[8][kTileRows][kTileBytes];
+  static inline thread_local TileConfig config;
   static inline std::atomic<long> products{0};  // tile products run, all threads (the tests check the path ran)
 
   static void zero(int t) { std::memset(reg[t], 0, sizeof(reg[t])); }
   static void load(int t, const void* base, size_t stride) {
-    for (int r = 0; r < kTileRows; ++r) std::memcpy(reg[t][r], static_cast<const uint8_t*>(base) + r * stride, kTileBytes);
+    zero(t);
+    for (int r = 0; r < config.rows[t]; ++r)
+      std::memcpy(reg[t][r], static_cast<const uint8_t*>(base) + r * stride, config.colsb[t]);
   }
   static void store(int t, void* base, size_t stride) {
-    for (int r = 0; r < kTileRows; ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, reg[t][r], kTileBytes);
+    for (int r = 0; r < config.rows[t]; ++r)
+      std::memcpy(static_cast<uint8_t*>(base) + r * stride, reg[t][r], config.colsb[t]);
+  }
+  // C[m][n] += sum over the A row's 4-byte units p of dot(A[m][p], B[p][n]).
+  template <class Dot>
+  static void product(int c, int a, int b, Dot dot) {
+    const int rows = config.rows[c], units = config.colsb[a] / 4, cols = config.colsb[c] / 4;
+    if (config.rows[a] != rows || config.rows[b] != units || config.colsb[b] / 4 != cols) {
+      std::fprintf(stderr, "emulated tiles: shapes of tiles %d, %d, %d do not fit\n", c, a, b);
+      std::abort();
+    }
+    ++products;
+    for (int m = 0; m < rows; ++m)
+      for (int n = 0; n < cols; ++n)
+        for (int p = 0; p < units; ++p) dot(&reg[c][m][4 * n], &reg[a][m][4 * p], &reg[b][p][4 * n]);
   }
   static void dot_bf16(int c, int a, int b) {
-    ++products;
-    for (int m = 0; m < kTileRows; ++m)
-      for (int n = 0; n < kTileRows; ++n) {
-        float sum;
-        std::memcpy(&sum, &reg[c][m][4 * n], sizeof(sum));
-        for (int p = 0; p < kTileRows; ++p)
-          for (int h = 0; h < 2; ++h) sum += bf16_at(reg[a][m], 2 * p + h) * bf16_at(reg[b][p], 2 * n + h);
-        std::memcpy(&reg[c][m][4 * n], &sum, sizeof(sum));
-      }
+    product(c, a, b, [](uint8_t* acc, const uint8_t* x, const uint8_t* w) {
+      float sum;
+      std::memcpy(&sum, acc, sizeof(sum));
+      for (int h = 0; h < 2; ++h) sum += bf16_at(x, h) * bf16_at(w, h);
+      std::memcpy(acc, &sum, sizeof(sum));
+    });
   }
   static void dot_s8u8(int c, int a, int b) {  // TDPBSUD: int32 sums of s8 (A) x u8 (B) quads
-    ++products;
-    for (int m = 0; m < kTileRows; ++m)
-      for (int n = 0; n < kTileRows; ++n) {
-        int32_t sum;
-        std::memcpy(&sum, &reg[c][m][4 * n], sizeof(sum));
-        for (int p = 0; p < kTileRows; ++p)
-          for (int h = 0; h < 4; ++h) sum += int8_t(reg[a][m][4 * p + h]) * int32_t(reg[b][p][4 * n + h]);
-        std::memcpy(&reg[c][m][4 * n], &sum, sizeof(sum));
-      }
+    product(c, a, b, [](uint8_t* acc, const uint8_t* x, const uint8_t* w) {
+      int32_t sum;
+      std::memcpy(&sum, acc, sizeof(sum));
+      for (int h = 0; h < 4; ++h) sum += int8_t(x[h]) * int32_t(w[h]);
+      std::memcpy(acc, &sum, sizeof(sum));
+    });
   }
 
  private:
@@ -83,7 +112,7 @@ struct EmulatedTiles {
     return value;
   }
 };
-inline void configure_tiles(const TileConfig&) {}
+inline void configure_tiles(const TileConfig& config) { EmulatedTiles::config = config; }
 inline void release_tiles() {}
 #define KT_TILE_ZERO(t) amx::EmulatedTiles::zero(t)
 #define KT_TILE_LOAD(t, base, stride) amx::EmulatedTiles::load(t, base, stride)
@@ -93,17 +122,61 @@ inline void release_tiles() {}
 
 #endif
 
+// The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) = the sum over
+// steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, `step` bytes of each per step, `bytes`
+// in all) times B (tiles 6, 7 from b0, b1: 16 bytes per A byte, step / 4 rows of 64 bytes per step).
+// `dots()` runs the four tile products (block_dots_*).
+template <class Dots>
+void block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, size_t step,
+                   Dots dots) {
+  const uint8_t* a = static_cast<const uint8_t*>(x);
+  KT_TILE_ZERO(0);
+  KT_TILE_ZERO(1);
+  KT_TILE_ZERO(2);
+  KT_TILE_ZERO(3);
+  for (size_t offset = 0; offset < bytes; offset += step) {
+    KT_TILE_LOAD(4, a + offset, x_bytes);
+    KT_TILE_LOAD(5, a + kTileRows * x_bytes + offset, x_bytes);
+    KT_TILE_LOAD(6, b0 + kTileRows * offset, kTileBytes);
+    KT_TILE_LOAD(7, b1 + kTileRows * offset, kTileBytes);
+    dots();
+  }
+}
+
+// The four tile products of a block, for block_product.
+inline void block_dots_bf16() {
+  KT_TILE_DOT_BF16(0, 4, 6);
+  KT_TILE_DOT_BF16(1, 4, 7);
+  KT_TILE_DOT_BF16(2, 5, 6);
+  KT_TILE_DOT_BF16(3, 5, 7);
+}
+inline void block_dots_s8u8() {
+  KT_TILE_DOT_S8U8(0, 4, 6);
+  KT_TILE_DOT_S8U8(1, 4, 7);
+  KT_TILE_DOT_S8U8(2, 5, 6);
+  KT_TILE_DOT_S8U8(3, 5, 7);
+}
+
+// Stores C tiles 0-3 (16 x 16 fp32 or int32 each) as one 32 x 32 block at out (row stride out_bytes).
+inline void store_block(void* out, size_t out_bytes) {
+  uint8_t* c = static_cast<uint8_t*>(out);
+  KT_TILE_STORE(0, c, out_bytes);
+  KT_TILE_STORE(1, c + kTileBytes, out_bytes);
+  KT_TILE_STORE(2, c + kTileRows * out_bytes, out_bytes);
+  KT_TILE_STORE(3, c + kTileRows * out_bytes + kTileBytes, out_bytes);
+}
+
 // The tile kernels cover blocks of kBlockRows activation rows x kBlockGroups groups; `tiles(rows,
-// groups)` runs them on the largest such block of x and w, `fallback(x, w, y)` (the AVX512 kernel)
-// on what is left: the last odd group of the tiled rows, and the rows below a whole block.
+// groups)` runs them, with the tiles configured by `config`, on the largest such block of x and w,
+// `fallback(x, w, y)` (the AVX512 kernel) on what is left: the last odd group of the tiled rows, and
+// the rows below a whole block.
 constexpr int kBlockRows = 2 * kTileRows, kBlockGroups = 2;
 
 template <class Tiles, class Fallback>
-void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, Tiles tiles,
-                     Fallback fallback) {
+void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, const TileConfig& config,
+                     Tiles tiles, Fallback fallback) {
   const int tile_rows = x.rows / kBlockRows * kBlockRows, tile_groups = w.groups / kBlockGroups * kBlockGroups;
   if (tile_rows == 0 || tile_groups == 0) return fallback(x, w, y);
-  static const TileConfig config;
   configure_tiles(config);
   tiles(tile_rows, tile_groups);
   release_tiles();
@@ -111,6 +184,7 @@ void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size
     PackedGroups last = w;
     last.values += tile_groups * w.group_bytes;
     last.scales += tile_groups * w.group_scale_bytes;
+    if (w.zeros != nullptr) last.zeros += tile_groups * w.group_zero_bytes;
     last.groups = w.groups - tile_groups;
     Activations tiled = x;
     tiled.rows = tile_rows;

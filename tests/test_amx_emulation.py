@@ -126,16 +126,79 @@ def test_int8_moe_forward_on_emulated_tiles(emulated):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 0.005  # two int8 parts per activation row
 
 
-@pytest.mark.parametrize("method", ["BF16", "INT8"])
+# 4-bit weights widened onto the INT8 tiles: blocks of 32 quantized rows (by default two per token,
+# the residual too) x 32 outputs, one C-tile sum per scale group (32-input groups: half-width tiles).
+# (method, tokens, n, k, group, zero points, int8_activations, tiles used)
+FOUR_BIT_CASES = [
+    ("INT4", 16, 32, 64, 32, False, False, True),
+    ("INT4", 33, 40, 128, 64, False, True, True),
+    ("INT4", 300, 48, 256, 128, True, False, True),
+    ("INT4", 40, 33, 96, 32, True, False, True),
+    ("INT4", 15, 32, 128, 128, False, False, False),
+    ("MXFP4", 64, 48, 96, 32, False, False, True),
+    ("MXFP4", 20, 17, 64, 32, False, True, False),
+]
+
+
+def four_bit_weights(method, n, k, group, with_zeros, g):
+    """Canonical bytes and scales, optional INT4 zero points, and the fp64 weight they hold."""
+    from mxfp4_reference import decode_mxfp4
+    from test_int_kernels import decode_int4, random_canonical
+
+    if method == "MXFP4":
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        scales = torch.randint(100, 150, (n, k // 32), dtype=torch.uint8, generator=g)
+        return codes, scales, None, decode_mxfp4(codes, scales).double()
+    values, scales = random_canonical(method, n, k, group, g)
+    weight = decode_int4(values, scales)
+    zeros = None
+    if with_zeros:
+        zeros = torch.randint(-8, 9, scales.shape, dtype=torch.int8, generator=g)
+        weight = weight - (zeros.double() * scales.double()).repeat_interleave(group, dim=-1)
+    return values, scales, zeros, weight
+
+
+@pytest.mark.parametrize("method,tokens,n,k,group,with_zeros,int8_activations,tiled", FOUR_BIT_CASES)
+def test_four_bit_linear_on_emulated_tiles(
+    emulated, method, tokens, n, k, group, with_zeros, int8_activations, tiled
+):
+    """Exact integer sums on the tiles (activations that quantize exactly), and the same bits as the
+    AVX512 kernel on Gaussian activations with outlier channels."""
+    from kt_kernel import _kt_kernel_avx512 as avx512
+
+    g = torch.Generator().manual_seed(tokens * 100 + n + k)
+    values, scales, zeros, weight = four_bit_weights(method, n, k, group, with_zeros, g)
+
+    def linear(module, x):
+        y = torch.empty(tokens, n)
+        module.linear(
+            method, x.view(torch.int16), values, scales, y, int8_activations=int8_activations, zeros=zeros
+        )
+        return y
+
+    x = torch.randint(-127, 128, (tokens, k), generator=g).float()
+    x[:, 0] = 127.0  # max |x| = 127: the int8 activations are x itself
+    before = tile_products(emulated)
+    y = linear(emulated, x.to(torch.bfloat16))
+    assert (tile_products(emulated) > before) == tiled
+    ref = x.double() @ weight.T
+    assert torch.all((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30)
+
+    x = torch.randn(tokens, k, generator=g)
+    x[:, 3] *= 100
+    x = x.to(torch.bfloat16)
+    assert torch.equal(linear(emulated, x), linear(avx512, x))
+
+
+@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "MXFP4", "FP8"])
 def test_tiles_within_half_a_percent_on_outlier_activations(emulated, method):
     """The accuracy bound of test_accuracy.py, on the tile paths (64 tokens per expert: full tiles)."""
     from test_accuracy import BOUND, accuracy_case
 
     def forward(load, x, ids, topk_weights):
         layer = emulated.MoESubpools(8, 2, 256, method, emulated.WorkerPools([2], [[]]), [128], [])
-        scales = (
-            [s[..., None].contiguous() for s in load["scales"].values()] if load["scales"] else [None] * 3
-        )
+        scales = [s if s.dim() == 3 else s[..., None].contiguous() for s in load["scales"].values()]
+        scales = scales or [None] * 3
         tensors = [t for pair in zip(load["tensors"], scales, strict=True) for t in pair]
         layer.engine(0).load(*tensors, torch.arange(8))
         out = torch.empty(x.shape, dtype=torch.bfloat16)

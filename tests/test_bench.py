@@ -33,6 +33,8 @@ def test_bench_all_variants_json(tmp_path):
         assert (row["pct_of_bandwidth"] is None) == (row["tokens"] > 8)
         assert (row["pct_of_peak"] is None) == (row["tokens"] <= 8)
     assert "median ms" in result.stdout and "tiny" in result.stdout
+    for variant, peaks in machine["peak_gflops"].items():  # the AMX-BF16 probe runs on the amx build only
+        assert (peaks["tile_bf16"] > 0) == (variant == "amx"), (variant, peaks)
 
 
 TINY_STACK = ("--model", "tiny", "--layers", "3", "--tokens", "1", "--format", "int4", "--calls", "3")

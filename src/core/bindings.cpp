@@ -172,11 +172,12 @@ NB_MODULE(KT_MODULE_NAME, m) {
           if (op == "fma_f32") return kt::measure_peak_gflops(threads, kt::PeakOp::kFmaF32);
           if (op == "dpbf16") return kt::measure_peak_gflops(threads, kt::PeakOp::kDpBf16);
           if (op == "dpint8") return kt::measure_peak_gflops(threads, kt::PeakOp::kDpInt8);
-          throw std::invalid_argument("op must be fma_f32, dpbf16 or dpint8");
+          if (op == "tile_bf16") return kt::measure_peak_gflops(threads, kt::PeakOp::kTileBf16);
+          throw std::invalid_argument("op must be fma_f32, dpbf16, dpint8 or tile_bf16");
         },
         nb::arg("threads"), nb::arg("op"), nb::call_guard<nb::gil_scoped_release>(),
-        "Peak GFLOP/s (GOP/s) of fp32 FMA ('fma_f32'), vdpbf16ps ('dpbf16') or vpdpbusd ('dpint8'); 0 where "
-        "this build/CPU lacks it.");
+        "Peak GFLOP/s (GOP/s) of fp32 FMA ('fma_f32'), vdpbf16ps ('dpbf16'), vpdpbusd ('dpint8') or AMX "
+        "tdpbf16ps ('tile_bf16'); 0 where this build/CPU lacks it (and for tiles on the emulated build).");
 
   m.def("linear",
         [](const std::string& method, Bf16In2 x, Canonical<2> weight, std::optional<Canonical<2>> scale, Float32Out2 y,

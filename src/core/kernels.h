@@ -165,7 +165,7 @@ struct Kernels {
 const Kernels& kernels();
 
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
-enum class PeakOp { kFmaF32, kDpBf16, kDpInt8 };  // fp32 FMA, vdpbf16ps, vpdpbusd
+enum class PeakOp { kFmaF32, kDpBf16, kDpInt8, kTileBf16 };  // fp32 FMA, vdpbf16ps, vpdpbusd, AMX tdpbf16ps
 // Runs `iterations` rounds of independent multiply-adds of kind `op` on the calling thread and
 // returns the flops done (0 when this build or CPU cannot execute `op`).
 double peak_probe(PeakOp op, int64_t iterations);

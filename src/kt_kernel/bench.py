@@ -244,7 +244,8 @@ def run_worker(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     kernels = dict(ext.kernel_info())
-    peak = {op: ext.measure_peak_gflops(args.threads, op) for op in ("fma_f32", "dpbf16", "dpint8")}
+    peak_probes = ("fma_f32", "dpbf16", "dpint8", "tile_bf16")
+    peak = {op: ext.measure_peak_gflops(args.threads, op) for op in peak_probes}
     dram = ext.measure_read_bandwidth(args.threads, 1 << 29)
     uses_dpbf16 = "vdpbf16ps" in kernels["bf16_path"]
     uses_dpint8 = "vpdpbusd" in kernels["int8_path"]
@@ -253,6 +254,8 @@ def run_worker(args: argparse.Namespace) -> dict:
     # multiply int8, the others bf16.
     bf16_op, int8_op = "dpbf16" if uses_dpbf16 else "fma_f32", "dpint8" if uses_dpint8 else "fma_f32"
     peak_ops = {f: int8_op if formats.get(f).quantized_activations else bf16_op for f in args.format}
+    if peak["tile_bf16"]:  # the amx build on AMX hardware: every format's prefill against AMX-BF16
+        peak_ops = dict.fromkeys(args.format, "tile_bf16")
     label = build_label(kernels)
     rows: list[Row] = []
     baselines = sorted({torch_format(f) for f in args.format}) if args.torch else []
@@ -576,7 +579,8 @@ def format_table(result: dict) -> str:
     lines.append(
         "\n%BW (T <= 8): effective bandwidth (distinct expert weights touched / latency) vs DRAM, the read "
         "bandwidth measured just before the row.\n%peak (T >= 64): vs the measured peak of the instruction "
-        "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it has neither).\ntorch: per-expert "
+        "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it has neither; on AMX hardware, AMX-BF16 "
+        "tdpbf16ps for every format).\ntorch: per-expert "
         "F.linear in bf16 (bf16, mxfp4), torch._weight_int8pack_mm (int8), _weight_int4pack_mm_for_cpu "
         "(int4).\n-i8act: the opt-in int8_activations=True mode (lossy on outlier activations)."
     )

@@ -1,0 +1,116 @@
+// gemm_int4 and gemm_mxfp4 of the amx build: AMX-INT8 tiles (tdpbsud: s8 activations x u8 weights)
+// on the 4-bit weights widened to bytes, for blocks of 32 quantized activation rows; the AVX512
+// kernels for the rest. Exact like those: the activations are the same int8 rows (two per row by
+// default, the residual included), and the integer sums are the same.
+//
+// Per pair of groups, the weights are widened once into the INT8 tile layout (kernels.h): a 4-bit
+// line c (inputs 8c..8c+7 of 16 rows) gives quad 2c from its low nibbles and quad 2c + 1 from its
+// high ones; INT4 nibbles are q + 8 already, MXFP4 codes are looked up as 2v + 12 (int_tiles.h).
+// Then, per block of 32 rows and per scale group, the C tiles sum the group's inputs (one tile
+// step of min(G, 64) inputs or more), are stored, corrected for the weight offset (or the INT4
+// zero points) times the activations' sums, scaled and added in fp32.
+#include <algorithm>
+
+#include "kernels_avx512/vec.h"
+#include "kernels_common/int_tiles.h"
+#include "tiles.h"
+
+KT_NAMESPACE_BEGIN
+namespace amx {
+namespace {
+
+using V = avx512::Vec;
+constexpr int kMaxInputsPerStep = 64;       // one tile row of s8 activations
+constexpr int kLineBytes = 64;              // a 4-bit line (8 inputs) or an INT8 quad line, 16 rows each
+constexpr int kBlockOutputs = kBlockGroups * kGroupRows;
+
+// A group's k inputs: 4-bit lines -> k / 4 quad lines of u8 values.
+template <class FourBit>
+void widen_group(const uint8_t* lines, int k, uint8_t* quads) {
+  const V::Int low_nibbles = V::set1(kLowNibbles);
+  for (int c = 0; c < k / 8; ++c) {
+    const V::Int raw = V::load(lines + size_t(c) * kLineBytes);
+    _mm512_storeu_si512(quads + size_t(2 * c) * kLineBytes, FourBit::values(V::and_(raw, low_nibbles)));
+    _mm512_storeu_si512(quads + size_t(2 * c + 1) * kLineBytes,
+                        FourBit::values(V::and_(V::srli_epi32(raw, 4), low_nibbles)));
+  }
+}
+
+// The inputs first .. first + count of 32 contiguous quantized rows (row stride x_bytes) x the widened
+// groups g, g + 1: sums[32][32] int32.
+void tile_sums(const int8_t* x, size_t x_bytes, const uint8_t* quads0, const uint8_t* quads1, int first, int count,
+               int step, int32_t* sums) {
+  block_product(x + first, x_bytes, quads0 + size_t(first / 4) * kLineBytes, quads1 + size_t(first / 4) * kLineBytes,
+                count, step, block_dots_s8u8);
+  store_block(sums, kBlockOutputs * sizeof(int32_t));
+}
+
+template <class FourBit>
+void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, GemmFn avx512_gemm) {
+  auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512_gemm(xs, ws, ys, y_stride); };
+  const int per_scale = FourBit::inputs_per_scale(w), step = std::min(per_scale, kMaxInputsPerStep);
+  tiles_and_edges(x, w, y, y_stride, TileConfig(step), [&](int tile_rows, int tile_groups) {
+    // Scratch (kernel_scratch_bytes: 4 bytes per row and input, rows >= 32 here): the gathered
+    // routed rows (tiles load rows with one stride), then the two widened groups.
+    const int8_t* rows = x.quantized.values;
+    size_t row_bytes = x.quantized.stride;
+    uint8_t* widened = x.scratch;
+    if (x.row_ids != nullptr) {
+      int8_t* gathered = reinterpret_cast<int8_t*>(x.scratch);
+      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered + size_t(i) * w.k, x.quantized_row(i).values, w.k);
+      rows = gathered;
+      row_bytes = w.k;
+      widened += round_up(size_t(tile_rows) * w.k, size_t(kLineBytes));
+    }
+    const size_t widened_group_bytes = size_t(w.k) * kGroupRows;
+    alignas(64) int32_t sums[kBlockRows][kBlockOutputs];
+    alignas(64) float acc[kBlockRows][kBlockOutputs];
+    for (int g = 0; g < tile_groups; g += kBlockGroups) {
+      for (int h = 0; h < kBlockGroups; ++h)
+        widen_group<FourBit>(w.values + (g + h) * w.group_bytes, w.k, widened + h * widened_group_bytes);
+      for (int i = 0; i < tile_rows; i += kBlockRows) {
+        std::fill(&acc[0][0], &acc[0][0] + kBlockRows * kBlockOutputs, 0.0f);
+        for (int s = 0; s < w.k / per_scale; ++s) {
+          tile_sums(rows + size_t(i) * row_bytes, row_bytes, widened, widened + widened_group_bytes, s * per_scale,
+                    per_scale, step, &sums[0][0]);
+          V::Float scale[kBlockGroups];
+          V::Int zero_points[kBlockGroups];
+          for (int h = 0; h < kBlockGroups; ++h) {
+            scale[h] = FourBit::scale(w.scales + (g + h) * w.group_scale_bytes, s, 0);
+            zero_points[h] = w.zeros != nullptr
+                                 ? V::load(w.zeros + (g + h) * w.group_zero_bytes + size_t(s) * kGroupRows * 4)
+                                 : V::set1(FourBit::kOffset);
+          }
+          for (int r = 0; r < kBlockRows; ++r) {
+            const V::Int x_sum = V::set1(quantized_sum(x.quantized_row(i + r), s * per_scale, per_scale));
+            for (int h = 0; h < kBlockGroups; ++h) {
+              const V::Int sum = V::sub_epi32(_mm512_load_si512(&sums[r][h * kGroupRows]),
+                                              V::mullo_epi32(zero_points[h], x_sum));
+              V::storeu_ps(&acc[r][h * kGroupRows],
+                           V::fmadd(V::to_float(sum), scale[h], V::loadu_ps(&acc[r][h * kGroupRows])));
+            }
+          }
+        }
+        for (int r = 0; r < kBlockRows; ++r) {
+          const V::Float x_scale = V::set1_ps(x.quantized_row(i + r).scale);
+          for (int h = 0; h < kBlockGroups; ++h)
+            V::storeu_ps(y + size_t(i + r) * y_stride + (g + h) * kGroupRows,
+                         V::mul(V::loadu_ps(&acc[r][h * kGroupRows]), x_scale));
+        }
+      }
+    }
+  }, avx512);
+}
+
+}  // namespace
+
+void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_four_bit<Int4Format<V>>(x, w, y, y_stride, avx512::paths().int4);
+}
+
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_four_bit<Mxfp4Format<V>>(x, w, y, y_stride, avx512::paths().mxfp4);
+}
+
+}  // namespace amx
+KT_NAMESPACE_END
