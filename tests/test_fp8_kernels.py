@@ -31,6 +31,15 @@ def kernel_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return y
 
 
+def assert_matches_fp64(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """The kernel's result equals the fp64 one up to fp32 accumulation."""
+    weight = reference_weight(codes, scales)
+    ref = x.double() @ weight.T
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
+    err = (kernel_linear(x, codes, scales).double() - ref).abs()
+    assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
+
+
 # (tokens, n, k, per_block): n tails, odd k (per channel), 128-input blocks, tokens 1 to 600.
 CASES = [
     (1, 16, 128, True),
@@ -49,11 +58,7 @@ def test_linear_matches_fp64_on_the_stored_codes(tokens, n, k, per_block):
     codes = random_codes(n, k, g)
     scales = torch.rand(n, k // 128 if per_block else 1, generator=g) * 1e-3 + 1e-4
     x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
-    weight = reference_weight(codes, scales)
-    ref = x.double() @ weight.T
-    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
-    err = (kernel_linear(x, codes, scales).double() - ref).abs()
-    assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
+    assert_matches_fp64(x, codes, scales)
 
 
 @pytest.mark.parametrize("tokens", [1, 32])  # codes decoded in registers / on the stack
@@ -65,6 +70,23 @@ def test_every_code_decodes_exactly(tokens):
     y = kernel_linear(torch.eye(32)[:tokens].to(torch.bfloat16), weight, torch.ones(len(codes), 1))
     expected = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(y, expected.expand(tokens, -1))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 32])  # codes decoded in registers / on the stack
+def test_rare_small_codes_among_normal_ones(tokens):
+    """Codes as real weights have them: nearly all normal, a few zeros and subnormals scattered (the
+    decoders take a shortcut for runs of normal codes). The normal codes are the smallest ones, so a
+    small code decoded as a normal one would be off by as much as a weight."""
+    g = torch.Generator().manual_seed(tokens)
+    n, k = 48, 1024
+    codes = torch.randint(0x08, 0x20, (n, k), dtype=torch.uint8, generator=g)  # exponent field 1-3
+    codes |= torch.randint(0, 2, (n, k), dtype=torch.uint8, generator=g) << 7  # either sign
+    small = torch.randperm(n * k, generator=g)[:40]
+    zeros_and_subnormals = torch.tensor([0x00, 0x80, 0x01, 0x87, 0x05, 0x83, 0x07, 0x86], dtype=torch.uint8)
+    codes.view(-1)[small] = zeros_and_subnormals.repeat(5)
+    scales = torch.rand(n, k // 128, generator=g) + 0.5
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    assert_matches_fp64(x, codes, scales)
 
 
 def test_scales_must_fit_the_format():
