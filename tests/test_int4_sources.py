@@ -41,11 +41,12 @@ def write_layer(
     group: int,
     offset: int = 1,
     act_order: bool = False,
-    asymmetric: bool = False,
+    asymmetric: bool | set[int] = False,
     inter: int = I,
 ):
     """One layer (0) of experts in `layout` ("packed" or "gptq"); returns the fp64 weights. GPTQ
-    zero points: 8 (symmetric) or, with `asymmetric`, random stored zeros 0..15 per group."""
+    zero points: 8 (symmetric) or, with `asymmetric` (every expert, or the experts in the set),
+    random stored zeros 0..15 per group."""
     tensors, full = {}, [[], [], []]
     for e in range(E):
         for p, (name, n, k) in enumerate(
@@ -53,7 +54,8 @@ def write_layer(
         ):
             q, scales = random_int4(n, k, group, 10 * e + p)
             zero = torch.full((k // group, n), 8)
-            if asymmetric:  # stored values q + 8 (0..15), zero points offset..15 + offset
+            # Asymmetric: stored values q + 8 (0..15), zero points offset..15 + offset.
+            if asymmetric is True or (asymmetric and e in asymmetric):
                 zero = (
                     torch.randint(0, 16, (k // group, n), generator=torch.Generator().manual_seed(e)) + offset
                 )

@@ -227,10 +227,14 @@ NB_MODULE(KT_MODULE_NAME, m) {
            nb::arg("gate"), nb::arg("gate_scale").none(), nb::arg("up"), nb::arg("up_scale").none(), nb::arg("down"),
            nb::arg("down_scale").none(), nb::arg("source_of_slot"), nb::arg("gate_zeros").none() = nb::none(),
            nb::arg("up_zeros").none() = nb::none(), nb::arg("down_zeros").none() = nb::none(),
-           "Copy and pack the weights of every source expert in the engine's format's canonical layout: "
+           "Copy and pack the weights of the source expert of every slot (source_of_slot[slot]; -1: the slot "
+           "keeps what an earlier call packed, see unload) in the engine's format's canonical layout: "
            "gate/up [E, I, row bytes of H], down [E, H, row bytes of I], scales [E, rows, scales per row] or None "
            "(any element type; sizes checked in bytes); INT4 also takes int8 zero points shaped like its scales "
            "(weights (q - zero) * scale).")
+      .def("unload", &kt::MoEEngine::unload, nb::call_guard<nb::gil_scoped_release>(),
+           "Mark every slot unpacked (memory kept): a load in parts, with source_of_slot -1 for the slots "
+           "another part packs, starts here; the engine runs once every slot is packed.")
       .def("submit", &submit<kt::MoEEngine>, nb::call_guard<nb::gil_scoped_release>(),
            "Start a forward; hidden and out must stay alive until sync().")
       .def("submit_addresses", &submit_addresses<kt::MoEEngine>, nb::arg("hidden"), nb::arg("tokens"), nb::arg("ids"),

@@ -79,6 +79,18 @@ void PackedProjection::allocate(const FormatTraits& format, int experts, int row
   if (has_zeros) zeros.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
 }
 
+void PackedProjection::add_zero_points(const FormatTraits& format, int experts) {
+  if (has_zeros) return;
+  zeros.reserve(size_t(experts) * packed_groups(rows) * group_scale_bytes);
+  has_zeros = true;
+  for (int e = 0; e < experts; ++e) pack_zero_offsets(format, e);
+}
+
+void PackedProjection::pack_zero_offsets(const FormatTraits& format, int expert) {
+  const std::vector<int8_t> none(size_t(rows) * format.scales_per_row(k, scale_group), 0);
+  format.pack_zeros(none.data(), rows, k, scale_group, expert_zeros(expert));
+}
+
 PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   const size_t index = size_t(expert) * packed_groups(rows) + first;
   PackedGroups groups{values.data() + index * group_bytes, scales.data() + index * group_scale_bytes, group_bytes,
@@ -142,6 +154,8 @@ void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix
   if (src.zeros != nullptr)
     format.pack_zeros(static_cast<const int8_t*>(src.zeros) + matrix * rows * scales_per_row, rows, k,
                       src.scale_group, dst.expert_zeros(expert));
+  else if (dst.has_zeros)
+    dst.pack_zero_offsets(format, expert);
 }
 
 }  // namespace
@@ -259,24 +273,47 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot load weights while a forward is in flight; call sync first");
   const int E = shape_.num_experts, H = shape_.hidden, I = shape_.intermediate;
-  for (int slot = 0; slot < E; ++slot)
-    require(source_of_slot[slot] >= 0 && source_of_slot[slot] < num_sources,
+  bool every_slot = true;
+  for (int slot = 0; slot < E; ++slot) {
+    require(source_of_slot[slot] >= -1 && source_of_slot[slot] < num_sources,
             "physical_to_logical_map_cpu[" + std::to_string(slot) + "] = " +
                 std::to_string(source_of_slot[slot]) + " is outside [0, " + std::to_string(num_sources) + ")");
-  weights_->gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr);
-  weights_->up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr);
-  weights_->down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr);
+    every_slot = every_slot && source_of_slot[slot] >= 0;
+  }
+  ExpertWeights& w = *weights_;
+  const bool same_layout = w.packed.size() == size_t(E) && w.gate.scale_group == gate.scale_group &&
+                           w.up.scale_group == up.scale_group && w.down.scale_group == down.scale_group;
+  if (every_slot || !same_layout) {
+    w.loaded = false;
+    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr);
+    w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr);
+    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr);
+    w.packed.assign(E, 0);
+  } else {
+    if (gate.zeros != nullptr) w.gate.add_zero_points(format_, E);
+    if (up.zeros != nullptr) w.up.add_zero_points(format_, E);
+    if (down.zeros != nullptr) w.down.add_zero_points(format_, E);
+  }
   // Packed by the pool's threads, so each expert's pages are first touched by a worker. Skipped
   // (GPU) slots too: the mask may hand them back to the CPU at any submit.
   pool_->run([&](int worker) {
     for (int slot = worker; slot < E; slot += pool_->size()) {
+      if (source_of_slot[slot] < 0) continue;
       const size_t source = size_t(source_of_slot[slot]);
-      pack(weights_->gate, gate, slot, source);
-      pack(weights_->up, up, slot, source);
-      pack(weights_->down, down, slot, source);
+      pack(w.gate, gate, slot, source);
+      pack(w.up, up, slot, source);
+      pack(w.down, down, slot, source);
+      w.packed[slot] = 1;
     }
   });
-  weights_->loaded = true;
+  w.loaded = std::all_of(w.packed.begin(), w.packed.end(), [](uint8_t p) { return p != 0; });
+}
+
+void MoEEngine::unload() {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot unload weights while a forward is in flight; call sync first");
+  std::fill(weights_->packed.begin(), weights_->packed.end(), 0);
+  weights_->loaded = false;
 }
 
 void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {

@@ -31,6 +31,11 @@ struct PackedProjection {
 
   // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them.
   void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false);
+  // Zero points for every expert from now on; those packed so far get zero points of 0 (their
+  // weights unchanged): experts loaded in several calls, some with zero points, some without.
+  void add_zero_points(const FormatTraits& format, int experts);
+  // Expert `expert`'s zero points all 0 (packed as the format stores them).
+  void pack_zero_offsets(const FormatTraits& format, int expert);
   uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
   uint8_t* expert_scales(int expert) {
     return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
@@ -99,8 +104,9 @@ enum class Projection { kGate, kUp, kDown };
 // them (MoEEngine::twin), with the set of experts computed elsewhere.
 struct ExpertWeights {
   PackedProjection gate, up, down;
-  std::vector<uint8_t> skip;  // per expert: 1 = GPU-resident, its routing entries are ignored
-  bool loaded = false;
+  std::vector<uint8_t> skip;    // per expert: 1 = GPU-resident, its routing entries are ignored
+  std::vector<uint8_t> packed;  // per slot: its weights are packed (loads may come in parts)
+  bool loaded = false;          // every slot packed
 };
 
 class MoEEngine {
@@ -117,8 +123,14 @@ class MoEEngine {
   // the engine's format. Physical slot p gets the weights of source expert source_of_slot[p].
   // Copies and packs; nothing refers to the sources afterwards. Every slot is packed, skipped ones
   // too, so that set_gpu_experts can hand any expert back to the CPU without a reload.
+  // A load in parts (a layer read a few experts at a time, so that only those experts' sources
+  // exist at once): source_of_slot[p] = -1 keeps slot p as an earlier call packed it, as long as
+  // the scale groups agree (else every slot starts over); the engine runs once every slot is
+  // packed. Zero points given for some parts only mean zero points of 0 for the others.
   void load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
             const int64_t* source_of_slot);
+  // Every slot unpacked (the memory is kept for the next load): a load in parts starts here.
+  void unload();
   // gpu_mask[e] != 0 (num_experts bytes, 0 or 1): expert e is computed elsewhere and its routing
   // entries are ignored from the next submit on. Compares first, so an unchanged mask costs a
   // memcmp. Not while a forward is in flight.

@@ -292,9 +292,18 @@ class TensorReader:
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({error})") from error
 
 
-def read_v4_flash_experts(path: str | Path, layer: int, num_experts: int) -> dict[str, torch.Tensor]:
+#: Which experts of a layer the readers return: experts 0..n-1, or a range of them.
+Experts = int | range
+
+
+def _expert_range(experts: Experts) -> range:
+    return range(experts) if isinstance(experts, int) else experts
+
+
+def read_v4_flash_experts(path: str | Path, layer: int, experts: Experts) -> dict[str, torch.Tensor]:
     """MXFP4 experts of one layer as canonical uint8 tensors: gate/up/down [E, N, K/2] and
     gate_scale/up_scale/down_scale [E, N, K/32] (the keyword names of load_weights_from_tensors)."""
+    experts = _expert_range(experts)
     files = index_checkpoint(path)
     prefix = "model." if f"model.layers.{layer}.ffn.experts.0.w1.weight" in files else ""
     result: dict[str, torch.Tensor] = {}
@@ -303,7 +312,7 @@ def read_v4_flash_experts(path: str | Path, layer: int, num_experts: int) -> dic
         for name, short in V4_FLASH_PROJECTIONS.items():
             for kind, out_name in (("weight", name), ("scale", f"{name}_scale")):
                 stacked = None
-                for expert in range(num_experts):
+                for index, expert in enumerate(experts):
                     key = f"{prefix}layers.{layer}.ffn.experts.{expert}.{short}.{kind}"
                     tensor = reader.read(key)
                     if tensor.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
@@ -311,13 +320,13 @@ def read_v4_flash_experts(path: str | Path, layer: int, num_experts: int) -> dic
                             f"tensor {key!r} has dtype {tensor.dtype}, expected I8/U8/F8_E8M0"
                         )
                     if stacked is None:
-                        stacked = torch.empty((num_experts, *tensor.shape), dtype=torch.uint8)
+                        stacked = torch.empty((len(experts), *tensor.shape), dtype=torch.uint8)
                     elif tuple(tensor.shape) != tuple(stacked.shape[1:]):
                         raise CheckpointError(
                             f"tensor {key!r} has shape {list(tensor.shape)}, "
-                            f"but expert 0 has {list(stacked.shape[1:])}"
+                            f"but expert {experts.start} has {list(stacked.shape[1:])}"
                         )
-                    stacked[expert] = tensor.view(torch.uint8)
+                    stacked[index] = tensor.view(torch.uint8)
                 result[out_name] = stacked
     return result
 
@@ -343,14 +352,16 @@ def read_manifest(path: str | Path) -> dict | None:
 
 
 def read_converted_layer(
-    path: str | Path, layer: int, num_experts: int, method: str
+    path: str | Path, layer: int, experts: Experts, method: str
 ) -> dict[str, torch.Tensor]:
-    """Experts 0..num_experts-1 of one layer of a converted checkpoint (``kt-kernel convert``).
+    """Experts 0..experts-1 (or the range ``experts``) of one layer of a converted checkpoint
+    (``kt-kernel convert``).
 
     Returns gate/up/down and, except for BF16, gate_scale/up_scale/down_scale: the arguments of
     KTMoEWrapper.load_weights_from_tensors. ValueError when ``method`` means another format than
     the checkpoint holds; CheckpointError for a missing layer, too few experts or a bad file.
     """
+    experts = _expert_range(experts)
     fmt = formats.get(method)
     manifest = read_manifest(path)
     if manifest is None:
@@ -365,8 +376,8 @@ def read_converted_layer(
     if entry is None:
         done = ", ".join(sorted(manifest["layers"], key=int)) or "none"
         raise CheckpointError(f"layer {layer} is not in the converted checkpoint {path} (layers: {done})")
-    if num_experts > entry["experts"]:
-        raise CheckpointError(f"layer {layer} of {path} has {entry['experts']} experts, {num_experts} asked")
+    if experts.stop > entry["experts"]:
+        raise CheckpointError(f"layer {layer} of {path} has {entry['experts']} experts, {experts.stop} asked")
     file = Path(path) / entry["file"]
     header = read_safetensors_header(file)
     if header.metadata.get("format") != fmt.name:
@@ -384,25 +395,26 @@ def read_converted_layer(
             )
     try:
         with safe_open(file, framework="pt") as f:
-            return {out: f.get_slice(name)[:num_experts] for out, name in names.items()}
+            return {out: f.get_slice(name)[experts.start : experts.stop] for out, name in names.items()}
     except Exception as error:  # safetensors and torch raise assorted types for bad data
         raise CheckpointError(f"{file}: cannot read layer {layer} ({error})") from error
 
 
-def read_layer(path: str | Path, layer: int, num_experts: int, method: str) -> dict[str, torch.Tensor]:
-    """Experts 0..num_experts-1 of one layer of a checkpoint directory, as the keyword arguments of
+def read_layer(path: str | Path, layer: int, experts: Experts, method: str) -> dict[str, torch.Tensor]:
+    """Experts 0..experts-1 (or the range ``experts``) of one layer of a checkpoint directory, as the
+    keyword arguments of
     KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the method's format, one in
     the DeepSeek-V4-Flash layout (MXFP4), or a Hugging Face model directory as it ships (BF16, FP8)."""
     if read_manifest(path) is not None:
-        return read_converted_layer(path, layer, num_experts, method)
+        return read_converted_layer(path, layer, experts, method)
     fmt = formats.get(method)
     if fmt.name == V4_FLASH_FORMAT:
-        return read_v4_flash_experts(path, layer, num_experts)
-    return read_source_layer(path, layer, num_experts, fmt)
+        return read_v4_flash_experts(path, layer, experts)
+    return read_source_layer(path, layer, experts, fmt)
 
 
 def read_source_layer(
-    path: str | Path, layer: int, num_experts: int, fmt: formats.WeightFormat
+    path: str | Path, layer: int, experts: Experts, fmt: formats.WeightFormat
 ) -> dict[str, torch.Tensor]:
     """One layer of a Hugging Face model directory, tensor by tensor, stored values as they are:
     BF16 (F16, F32) weights; FP8 codes with their scales (``weight_scale_inv`` per 128 x 128 block,
@@ -415,6 +427,7 @@ def read_source_layer(
             f"{fmt.name} weights are read from converted checkpoints: convert {path} first with "
             f"`kt-kernel convert {path} OUTPUT_DIR --format {fmt.name.lower()}`"
         )
+    experts = _expert_range(experts)
     source = ExpertSource(Path(path), index_checkpoint(path))
     with source.opened():
         if layer not in source.experts:
@@ -425,17 +438,17 @@ def read_source_layer(
         if on_disk != fmt.name:
             stored = ", ".join(sorted(described.dtypes))
             raise ValueError(f"{path} layer {layer} holds {on_disk} experts ({stored}), not {fmt.name}")
-        if described.experts < num_experts:
+        if described.experts < experts.stop:
             raise CheckpointError(
-                f"{path} layer {layer} holds {described.experts} experts, not {num_experts}"
+                f"{path} layer {layer} holds {described.experts} experts, not {experts.stop}"
             )
         result: dict[str, torch.Tensor] = {}
-        for expert in range(num_experts):
+        for index, expert in enumerate(experts):
             for name, tensors in zip(PROJECTIONS, source.read_stored(described, expert), strict=True):
                 for out, tensor in zip((name, f"{name}_scale", f"{name}_zeros"), tensors, strict=False):
-                    if expert == 0:
-                        result[out] = torch.empty((num_experts, *tensor.shape), dtype=tensor.dtype)
-                    result[out][expert] = tensor
+                    if index == 0:
+                        result[out] = torch.empty((len(experts), *tensor.shape), dtype=tensor.dtype)
+                    result[out][index] = tensor
     for name in PROJECTIONS:  # symmetric GPTQ: plain INT4, for the kernels without zero points
         if f"{name}_zeros" in result and not result[f"{name}_zeros"].any():
             del result[f"{name}_zeros"]

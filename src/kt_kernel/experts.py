@@ -6,6 +6,7 @@ import atexit
 import errno
 import math
 import os
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from . import checkpoint, formats
 from ._native import ext
 from .formats import require_shape
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
-from .weights import FLOAT_DTYPES, prepare, require_cpu_tensor, subpool_slice
+from .weights import FLOAT_DTYPES, check_slot_map, prepare, require_cpu_tensor, subpool_slice
 
 __all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
 
@@ -25,6 +26,15 @@ __all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "s
 IMPLEMENTED_FORMATS = tuple(formats.FORMATS)
 #: At most this many worker threads per CPU this process may run on (more only time-slice).
 THREADS_PER_CPU_LIMIT = 4
+#: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
+#: that it needs about one part's tensors of memory beyond the packed layer.
+LOAD_PARTS = 16
+
+
+def _indexed_in_layer(error: ValueError, first: int) -> ValueError:
+    """``error`` of a part of a load whose experts start at ``first``: the index it names (the
+    part's expert first) made the layer's."""
+    return ValueError(re.sub(r"index \[(\d+)", lambda m: f"index [{int(m[1]) + first}", str(error), count=1))
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -300,7 +310,7 @@ class KTMoEWrapper:
         """
         with self._lock:
             self._require_idle("load weights")
-            self._load_weights_from_tensors(
+            self._load_part(
                 gate_proj,
                 up_proj,
                 down_proj,
@@ -308,44 +318,59 @@ class KTMoEWrapper:
                 {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale},
                 {"gate_zeros": gate_zeros, "up_zeros": up_zeros, "down_zeros": down_zeros},
             )
+            self._loaded = True
 
-    def _load_weights_from_tensors(
+    def _start_load(self) -> None:
+        """Every slot of every engine unpacked: the parts of a load follow (_load_part)."""
+        self._loaded = False
+        self._zero_points = False
+        for sp in self._subpools:
+            sp.engine.unload()
+
+    def _load_part(
         self,
         gate_proj: torch.Tensor,
         up_proj: torch.Tensor,
         down_proj: torch.Tensor,
-        physical_to_logical_map_cpu: torch.Tensor | None,
+        slot_map: torch.Tensor | None,
         scales: dict[str, torch.Tensor | None],
         zeros: dict[str, torch.Tensor | None],
+        part: bool = False,
     ) -> None:
+        """Packs the slots slot_map names. Without ``part`` the whole layer, checked before the
+        loaded one is dropped; with it one part after _start_load (-1: a slot of another part)."""
         canonical, slot_map = prepare(
             self._format,
             {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj},
             scales,
-            physical_to_logical_map_cpu,
+            slot_map,
             self.num_experts,
             self.hidden_size,
             self.moe_intermediate_size,
             zeros,
+            part,
         )
+        if not part:
+            self._start_load()
         # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
         # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
-        self._loaded = False
         self._scale_groups = {name: self._format.scale_group(v, s) for name, (v, s, _) in canonical.items()}
-        self._zero_points = any(zeros is not None for _, _, zeros in canonical.values())
+        self._zero_points |= any(zeros is not None for _, _, zeros in canonical.values())
         for sp in self._subpools:
             tensors, zeros = subpool_slice(
                 self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size
             )
             sp.engine.load(*tensors, slot_map, **zeros)
-        self._loaded = True
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
         """Load layer ``layer_idx`` from the checkpoint directory ``weight_path``.
 
         A directory written by ``kt-kernel convert`` (it holds kt_manifest.json) in the method's
-        format; otherwise, for MXFP4, the DeepSeek-V4-Flash layout (see kt_kernel.checkpoint).
-        Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to.
+        format; otherwise a Hugging Face model directory as it ships (BF16, FP8, compressed-tensors or
+        GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash layout (see kt_kernel.checkpoint).
+        Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to, read and
+        packed in LOAD_PARTS parts: the memory it needs beyond the packed layer is about one part.
+        Where a part fails, the layer is left unloaded.
         """
         if self.weight_path is None:
             raise ValueError("load_weights needs weight_path (a checkpoint directory)")
@@ -354,14 +379,31 @@ class KTMoEWrapper:
         sources = self.num_experts
         if physical_to_logical_map_cpu is not None:
             sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
-        tensors = checkpoint.read_layer(self.weight_path, self.layer_idx, sources, self.weight_format)
-        self.load_weights_from_tensors(
-            tensors.pop("gate"),
-            tensors.pop("up"),
-            tensors.pop("down"),
-            physical_to_logical_map_cpu,
-            **tensors,
-        )
+        slot_map = check_slot_map(physical_to_logical_map_cpu, sources, self.num_experts)
+        with self._lock:
+            self._require_idle("load weights")
+            self._start_load()
+            # A part at a time: only its tensors exist besides the engines' packed copy.
+            per_part = max(1, sources // LOAD_PARTS)
+            for first in range(0, sources, per_part):
+                experts = range(first, min(sources, first + per_part))
+                in_part = (slot_map >= experts.start) & (slot_map < experts.stop)
+                if not in_part.any():
+                    continue
+                tensors = checkpoint.read_layer(self.weight_path, self.layer_idx, experts, self.weight_format)
+                try:
+                    self._load_part(
+                        tensors.pop("gate"),
+                        tensors.pop("up"),
+                        tensors.pop("down"),
+                        torch.where(in_part, slot_map - experts.start, -1),
+                        {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
+                        {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
+                        part=True,
+                    )
+                except ValueError as error:
+                    raise _indexed_in_layer(error, first) from error
+            self._loaded = True
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(

@@ -36,10 +36,12 @@ def prepare(
     hidden: int,
     intermediate: int,
     zeros: dict[str, torch.Tensor | None] | None = None,
+    part: bool = False,
 ) -> tuple[Canonical, torch.Tensor]:
     """The canonical gate/up/down of ``weights`` (gate_proj, up_proj, down_proj), ``scales``
     (gate_scale, ...; all None: float weights, quantized on load) and ``zeros`` (gate_zeros, ...;
-    each optional, where the format has zero points), and the checked slot map."""
+    each optional, where the format has zero points), and the checked slot map (with ``part``,
+    -1 is a slot another part of the load fills)."""
     zeros = zeros or {}
     given_zeros = [name for name, zero in zeros.items() if zero is not None]
     given = [name for name, scale in scales.items() if scale is not None]
@@ -54,7 +56,7 @@ def prepare(
         if tensor.dim() != 3:
             raise ValueError(f"{name} must be 3-D, got shape {list(tensor.shape)}")
     sources = weights["gate_proj"].shape[0]
-    slot_map = check_slot_map(slot_map, sources, num_experts)
+    slot_map = check_slot_map(slot_map, sources, num_experts, part)
 
     size = {"hidden_size": hidden, "moe_intermediate_size": intermediate}
 
@@ -88,8 +90,11 @@ def prepare(
     return canonical, slot_map
 
 
-def check_slot_map(slot_map: torch.Tensor | None, sources: int, num_experts: int) -> torch.Tensor:
-    """int64 [num_experts]: the expert (of ``sources``) whose weights each physical slot holds."""
+def check_slot_map(
+    slot_map: torch.Tensor | None, sources: int, num_experts: int, part: bool = False
+) -> torch.Tensor:
+    """int64 [num_experts]: the expert (of ``sources``) whose weights each physical slot holds
+    (with ``part``: or -1, a slot another part of a load fills)."""
     if slot_map is None:
         if sources != num_experts:
             raise ValueError(
@@ -102,7 +107,7 @@ def check_slot_map(slot_map: torch.Tensor | None, sources: int, num_experts: int
         raise TypeError(f"physical_to_logical_map_cpu must be an integer tensor, got {slot_map.dtype}")
     require_shape("physical_to_logical_map_cpu", slot_map, (num_experts,), "[num_experts]")
     slot_map = slot_map.to(torch.int64).contiguous()
-    if slot_map.numel() and (slot_map.min() < 0 or slot_map.max() >= sources):
+    if slot_map.numel() and (slot_map.min() < (-1 if part else 0) or slot_map.max() >= sources):
         raise ValueError(f"physical_to_logical_map_cpu values must lie in [0, {sources})")
     return slot_map
 
