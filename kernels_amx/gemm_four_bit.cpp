@@ -20,8 +20,8 @@ namespace amx {
 namespace {
 
 using V = avx512::Vec;
-constexpr int kMaxInputsPerStep = 64;       // one tile row of s8 activations
-constexpr int kLineBytes = 64;              // a 4-bit line (8 inputs) or an INT8 quad line, 16 rows each
+constexpr int kMaxInputsPerStep = 64;  // one tile row of s8 activations
+constexpr int kLineBytes = 64;         // a 4-bit line (8 inputs) or an INT8 quad line, 16 rows each
 constexpr int kBlockOutputs = kBlockGroups * kGroupRows;
 
 // A group's k inputs: 4-bit lines -> k / 4 quad lines of u8 values.

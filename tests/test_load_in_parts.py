@@ -41,6 +41,17 @@ def test_parts_give_what_a_whole_load_gives(tmp_path, monkeypatch, asymmetric):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 0.005
 
 
+def test_the_checkpoint_is_indexed_once_per_load(tmp_path, monkeypatch):
+    """Not once per part: a big model's index holds ~100k tensor names (0.45 s to sort out here)."""
+    monkeypatch.setattr(experts, "LOAD_PARTS", E)
+    write_layer(tmp_path / "model", "gptq", 32)
+    calls = []
+    index = checkpoint.index_checkpoint
+    monkeypatch.setattr(checkpoint, "index_checkpoint", lambda path: calls.append(path) or index(path))
+    moe_wrapper(E, K, H, I, method="GPTQ_INT4", weight_path=str(tmp_path / "model")).load_weights()
+    assert len(calls) == 1
+
+
 def test_a_part_that_fails_leaves_the_layer_unloaded(tmp_path, monkeypatch):
     monkeypatch.setattr(experts, "LOAD_PARTS", E)
     good, _ = expert_tensors("model.", 0, per_channel=False, seed=1)

@@ -300,11 +300,14 @@ def _expert_range(experts: Experts) -> range:
     return range(experts) if isinstance(experts, int) else experts
 
 
-def read_v4_flash_experts(path: str | Path, layer: int, experts: Experts) -> dict[str, torch.Tensor]:
+def read_v4_flash_experts(
+    path: str | Path, layer: int, experts: Experts, files: dict[str, Path] | None = None
+) -> dict[str, torch.Tensor]:
     """MXFP4 experts of one layer as canonical uint8 tensors: gate/up/down [E, N, K/2] and
-    gate_scale/up_scale/down_scale [E, N, K/32] (the keyword names of load_weights_from_tensors)."""
+    gate_scale/up_scale/down_scale [E, N, K/32] (the keyword names of load_weights_from_tensors).
+    ``files``: the checkpoint's index_checkpoint, where the caller has it already."""
     experts = _expert_range(experts)
-    files = index_checkpoint(path)
+    files = files if files is not None else index_checkpoint(path)
     prefix = "model." if f"model.layers.{layer}.ffn.experts.0.w1.weight" in files else ""
     result: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
@@ -402,15 +405,37 @@ def read_converted_layer(
 
 def read_layer(path: str | Path, layer: int, experts: Experts, method: str) -> dict[str, torch.Tensor]:
     """Experts 0..experts-1 (or the range ``experts``) of one layer of a checkpoint directory, as the
-    keyword arguments of
-    KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the method's format, one in
-    the DeepSeek-V4-Flash layout (MXFP4), or a Hugging Face model directory as it ships (BF16, FP8)."""
-    if read_manifest(path) is not None:
-        return read_converted_layer(path, layer, experts, method)
-    fmt = formats.get(method)
-    if fmt.name == V4_FLASH_FORMAT:
-        return read_v4_flash_experts(path, layer, experts)
-    return read_source_layer(path, layer, experts, fmt)
+    keyword arguments of KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the
+    method's format, one in the DeepSeek-V4-Flash layout (MXFP4), or a Hugging Face model directory
+    as it ships (BF16, FP8, INT4)."""
+    return LayerReader(path, layer, method).read(experts)
+
+
+class LayerReader:
+    """Reads the experts of one layer of a checkpoint directory (as read_layer), a range at a time:
+    the directory is indexed, and a Hugging Face directory's layer found and checked, once, not per
+    range (a big model's index holds ~100k tensor names)."""
+
+    def __init__(self, path: str | Path, layer: int, method: str) -> None:
+        self.path, self.layer, self.method = path, layer, method
+        self._files: dict[str, Path] | None = None
+        self._source: tuple[ExpertSource, MoELayer] | None = None
+        self._converted = read_manifest(path) is not None
+        if self._converted:
+            return
+        fmt = formats.get(method)
+        if fmt.name == V4_FLASH_FORMAT:
+            self._files = index_checkpoint(path)
+        else:
+            self._source = _source_layer(path, layer, fmt)
+
+    def read(self, experts: Experts) -> dict[str, torch.Tensor]:
+        if self._converted:
+            return read_converted_layer(self.path, self.layer, experts, self.method)
+        if self._files is not None:
+            return read_v4_flash_experts(self.path, self.layer, experts, self._files)
+        assert self._source is not None
+        return _read_source_experts(*self._source, experts)
 
 
 def read_source_layer(
@@ -422,27 +447,39 @@ def read_source_layer(
     RAWINT4) or GPTQ does (``qweight``), as INT4 values, scales and (asymmetric GPTQ) zero points.
     ValueError when the weights on disk are not in ``fmt``; NotImplementedError for a format this
     reader does not take from a source directory."""
+    return _read_source_experts(*_source_layer(path, layer, fmt), experts)
+
+
+def _source_layer(path: str | Path, layer: int, fmt: formats.WeightFormat) -> tuple[ExpertSource, MoELayer]:
+    """The experts of one layer of a Hugging Face model directory, found and checked (headers only)."""
     if fmt.name not in _SOURCE_FORMATS:
         raise NotImplementedError(
             f"{fmt.name} weights are read from converted checkpoints: convert {path} first with "
             f"`kt-kernel convert {path} OUTPUT_DIR --format {fmt.name.lower()}`"
         )
-    experts = _expert_range(experts)
     source = ExpertSource(Path(path), index_checkpoint(path))
     with source.opened():
         if layer not in source.experts:
             raise CheckpointError(f"{path} holds no routed experts of layer {layer}")
         described = source.describe(layer)
-        dtypes = described.dtypes
-        on_disk = "FP8" if _FP8_DTYPE in dtypes else "INT4" if _INT4_DTYPE in dtypes else "BF16"
-        if on_disk != fmt.name:
-            stored = ", ".join(sorted(described.dtypes))
-            raise ValueError(f"{path} layer {layer} holds {on_disk} experts ({stored}), not {fmt.name}")
-        if described.experts < experts.stop:
-            raise CheckpointError(
-                f"{path} layer {layer} holds {described.experts} experts, not {experts.stop}"
-            )
-        result: dict[str, torch.Tensor] = {}
+    dtypes = described.dtypes
+    on_disk = "FP8" if _FP8_DTYPE in dtypes else "INT4" if _INT4_DTYPE in dtypes else "BF16"
+    if on_disk != fmt.name:
+        stored = ", ".join(sorted(described.dtypes))
+        raise ValueError(f"{path} layer {layer} holds {on_disk} experts ({stored}), not {fmt.name}")
+    return source, described
+
+
+def _read_source_experts(
+    source: ExpertSource, described: MoELayer, experts: Experts
+) -> dict[str, torch.Tensor]:
+    experts = _expert_range(experts)
+    if described.experts < experts.stop:
+        raise CheckpointError(
+            f"{source.path} layer {described.index} holds {described.experts} experts, not {experts.stop}"
+        )
+    result: dict[str, torch.Tensor] = {}
+    with source.opened():
         for index, expert in enumerate(experts):
             for name, tensors in zip(PROJECTIONS, source.read_stored(described, expert), strict=True):
                 for out, tensor in zip((name, f"{name}_scale", f"{name}_zeros"), tensors, strict=False):

@@ -384,13 +384,14 @@ class KTMoEWrapper:
             self._require_idle("load weights")
             self._start_load()
             # A part at a time: only its tensors exist besides the engines' packed copy.
+            reader = checkpoint.LayerReader(self.weight_path, self.layer_idx, self.weight_format)
             per_part = max(1, sources // LOAD_PARTS)
             for first in range(0, sources, per_part):
                 experts = range(first, min(sources, first + per_part))
                 in_part = (slot_map >= experts.start) & (slot_map < experts.stop)
                 if not in_part.any():
                     continue
-                tensors = checkpoint.read_layer(self.weight_path, self.layer_idx, experts, self.weight_format)
+                tensors = reader.read(experts)
                 try:
                     self._load_part(
                         tensors.pop("gate"),
