@@ -41,6 +41,35 @@ def test_parts_give_what_a_whole_load_gives(tmp_path, monkeypatch, asymmetric):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 0.005
 
 
+def test_parts_must_share_their_scale_groups():
+    from kt_kernel import quant
+    from kt_kernel._native import ext
+
+    engine = ext.MoEEngine(E, K, H, I, "INT4", 1, [])
+    g = torch.Generator().manual_seed(0)
+
+    def part(group: int) -> list[torch.Tensor]:
+        tensors = []
+        for n, k in ((I, H), (I, H), (H, I)):
+            values, scales = quant.quantize("INT4", torch.randn(E, n, k, generator=g), group_size=group)
+            tensors += [values, scales]
+        return tensors
+
+    values, scales = torch.empty(1, 16, dtype=torch.uint8), torch.empty(1, 4)
+
+    def read_back() -> None:  # raises while a slot is not packed
+        engine.unpack("gate", 3, 0, 1, 0, 32, values.data_ptr(), 16, scales.data_ptr(), 4)
+
+    engine.unload()
+    engine.load(*part(32), torch.tensor([0, 1, -1, -1]))
+    with pytest.raises(ValueError, match="scale groups of the parts before it"):
+        engine.load(*part(64), torch.tensor([-1, -1, 2, 3]))
+    with pytest.raises(RuntimeError, match="not loaded"):
+        read_back()
+    engine.load(*part(32), torch.tensor([-1, -1, 2, 3]))  # the layer completes
+    read_back()
+
+
 def test_the_checkpoint_is_indexed_once_per_load(tmp_path, monkeypatch):
     """Not once per part: a big model's index holds ~100k tensor names (0.45 s to sort out here)."""
     monkeypatch.setattr(experts, "LOAD_PARTS", E)

@@ -281,9 +281,12 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
     every_slot = every_slot && source_of_slot[slot] >= 0;
   }
   ExpertWeights& w = *weights_;
-  const bool same_layout = w.packed.size() == size_t(E) && w.gate.scale_group == gate.scale_group &&
-                           w.up.scale_group == up.scale_group && w.down.scale_group == down.scale_group;
-  if (every_slot || !same_layout) {
+  const bool earlier_parts = std::any_of(w.packed.begin(), w.packed.end(), [](uint8_t p) { return p != 0; });
+  const bool same_layout = w.gate.scale_group == gate.scale_group && w.up.scale_group == up.scale_group &&
+                           w.down.scale_group == down.scale_group;
+  require(every_slot || !earlier_parts || same_layout,
+          "a part of a load must have the scale groups of the parts before it (the experts of a layer share them)");
+  if (every_slot || !earlier_parts) {
     w.loaded = false;
     w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr);
     w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr);

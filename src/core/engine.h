@@ -124,9 +124,9 @@ class MoEEngine {
   // Copies and packs; nothing refers to the sources afterwards. Every slot is packed, skipped ones
   // too, so that set_gpu_experts can hand any expert back to the CPU without a reload.
   // A load in parts (a layer read a few experts at a time, so that only those experts' sources
-  // exist at once): source_of_slot[p] = -1 keeps slot p as an earlier call packed it, as long as
-  // the scale groups agree (else every slot starts over); the engine runs once every slot is
-  // packed. Zero points given for some parts only mean zero points of 0 for the others.
+  // exist at once) starts with unload(); then source_of_slot[p] = -1 leaves slot p to another part.
+  // The parts must share their scale groups; zero points given for some parts only mean zero
+  // points of 0 for the others. The engine runs once every slot is packed.
   void load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
             const int64_t* source_of_slot);
   // Every slot unpacked (the memory is kept for the next load): a load in parts starts here.
