@@ -51,17 +51,9 @@ void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t
   const int per_scale = FourBit::inputs_per_scale(w), step = std::min(per_scale, kMaxInputsPerStep);
   tiles_and_edges(x, w, y, y_stride, TileConfig(step), [&](int tile_rows, int tile_groups) {
     // Scratch (kernel_scratch_bytes: 4 bytes per row and input, rows >= 32 here): the gathered
-    // routed rows (tiles load rows with one stride), then the two widened groups.
-    const int8_t* rows = x.quantized.values;
-    size_t row_bytes = x.quantized.stride;
-    uint8_t* widened = x.scratch;
-    if (x.row_ids != nullptr) {
-      int8_t* gathered = reinterpret_cast<int8_t*>(x.scratch);
-      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered + size_t(i) * w.k, x.quantized_row(i).values, w.k);
-      rows = gathered;
-      row_bytes = w.k;
-      widened += round_up(size_t(tile_rows) * w.k, size_t(kLineBytes));
-    }
+    // routed rows, then the two widened groups.
+    const TileRows rows = quantized_tile_rows(x, tile_rows, w.k);
+    uint8_t* widened = x.scratch + round_up(rows.scratch_bytes, size_t(kLineBytes));
     const size_t widened_group_bytes = size_t(w.k) * kGroupRows;
     alignas(64) int32_t sums[kBlockRows][kBlockOutputs];
     alignas(64) float acc[kBlockRows][kBlockOutputs];
@@ -71,8 +63,8 @@ void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t
       for (int i = 0; i < tile_rows; i += kBlockRows) {
         std::fill(&acc[0][0], &acc[0][0] + kBlockRows * kBlockOutputs, 0.0f);
         for (int s = 0; s < w.k / per_scale; ++s) {
-          tile_sums(rows + size_t(i) * row_bytes, row_bytes, widened, widened + widened_group_bytes, s * per_scale,
-                    per_scale, step, &sums[0][0]);
+          tile_sums(rows.values + size_t(i) * rows.stride, rows.stride, widened, widened + widened_group_bytes,
+                    s * per_scale, per_scale, step, &sums[0][0]);
           V::Float scale[kBlockGroups];
           V::Int zero_points[kBlockGroups];
           for (int h = 0; h < kBlockGroups; ++h) {

@@ -26,20 +26,12 @@ void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_s
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().int8(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
   tiles_and_edges(x, w, y, y_stride, TileConfig(), [&](int tile_rows, int tile_groups) {
-    // Tiles load rows with one stride: gather routed rows into a contiguous block first.
-    const int8_t* rows = x.quantized.values;
-    size_t row_bytes = x.quantized.stride;
-    if (x.row_ids != nullptr) {
-      int8_t* gathered = reinterpret_cast<int8_t*>(x.scratch);
-      for (int i = 0; i < tile_rows; ++i) std::memcpy(gathered + size_t(i) * w.k, x.quantized_row(i).values, w.k);
-      rows = gathered;
-      row_bytes = w.k;
-    }
+    const TileRows rows = quantized_tile_rows(x, tile_rows, w.k);
     alignas(64) int32_t sums[kBlockRows][kBlockGroups * kGroupRows];
     for (int g = 0; g < tile_groups; g += kBlockGroups) {
       const float* row_scales = reinterpret_cast<const float*>(w.scales + g * w.group_scale_bytes);
       for (int i = 0; i < tile_rows; i += kBlockRows) {
-        tile_block(rows + size_t(i) * row_bytes, row_bytes, w.values + g * w.group_bytes,
+        tile_block(rows.values + size_t(i) * rows.stride, rows.stride, w.values + g * w.group_bytes,
                    w.values + (g + 1) * w.group_bytes, w.k, &sums[0][0]);
         for (int r = 0; r < kBlockRows; ++r) {
           const QuantizedRow row = x.quantized_row(i + r);

@@ -122,6 +122,20 @@ inline void release_tiles() {}
 
 #endif
 
+// The first `rows` quantized rows of x as the tiles load them, one stride apart: x's own rows, or
+// routed rows gathered into x.scratch (`scratch_bytes` of it then taken).
+struct TileRows {
+  const int8_t* values;
+  size_t stride;
+  size_t scratch_bytes;
+};
+inline TileRows quantized_tile_rows(const Activations& x, int rows, int k) {
+  if (x.row_ids == nullptr) return {x.quantized.values, x.quantized.stride, 0};
+  int8_t* gathered = reinterpret_cast<int8_t*>(x.scratch);
+  for (int i = 0; i < rows; ++i) std::memcpy(gathered + size_t(i) * k, x.quantized_row(i).values, k);
+  return {gathered, size_t(k), size_t(rows) * k};
+}
+
 // The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) = the sum over
 // steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, `step` bytes of each per step, `bytes`
 // in all) times B (tiles 6, 7 from b0, b1: 16 bytes per A byte, step / 4 rows of 64 bytes per step).

@@ -102,6 +102,16 @@ def test_a_part_that_fails_leaves_the_layer_unloaded(tmp_path, monkeypatch):
         moe.forward(p.hidden, p.ids, p.weights)
 
 
+def test_errors_name_the_layer_s_expert_not_the_part_s(tmp_path, monkeypatch):
+    monkeypatch.setattr(experts, "LOAD_PARTS", E)
+    tensors, _ = expert_tensors("model.", 0, per_channel=False, seed=3)
+    tensors["model.layers.0.mlp.experts.3.down_proj.weight"].view(torch.uint8)[1, 2] = 0xFF  # NaN
+    write_model_dir(tmp_path / "model", tensors)
+    moe = moe_wrapper(E, K, H, 384, method="FP8", weight_path=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match=r"down_proj holds an FP8 NaN code .*first at index \[3, 1, 2\]"):
+        moe.load_weights()
+
+
 MEASURE = """
 import sys, torch
 from kt_kernel import KTMoEWrapper

@@ -6,7 +6,6 @@ import atexit
 import errno
 import math
 import os
-import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -29,12 +28,6 @@ THREADS_PER_CPU_LIMIT = 4
 #: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
 #: that it needs about one part's tensors of memory beyond the packed layer.
 LOAD_PARTS = 16
-
-
-def _indexed_in_layer(error: ValueError, first: int) -> ValueError:
-    """``error`` of a part of a load whose experts start at ``first``: the index it names (the
-    part's expert first) made the layer's."""
-    return ValueError(re.sub(r"index \[(\d+)", lambda m: f"index [{int(m[1]) + first}", str(error), count=1))
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -336,9 +329,11 @@ class KTMoEWrapper:
         scales: dict[str, torch.Tensor | None],
         zeros: dict[str, torch.Tensor | None],
         part: bool = False,
+        first_expert: int = 0,
     ) -> None:
         """Packs the slots slot_map names. Without ``part`` the whole layer, checked before the
-        loaded one is dropped; with it one part after _start_load (-1: a slot of another part)."""
+        loaded one is dropped; with it one part after _start_load (-1: a slot of another part),
+        whose tensors hold the experts from ``first_expert`` on."""
         canonical, slot_map = prepare(
             self._format,
             {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj},
@@ -349,6 +344,7 @@ class KTMoEWrapper:
             self.moe_intermediate_size,
             zeros,
             part,
+            first_expert,
         )
         if not part:
             self._start_load()
@@ -392,18 +388,16 @@ class KTMoEWrapper:
                 if not in_part.any():
                     continue
                 tensors = reader.read(experts)
-                try:
-                    self._load_part(
-                        tensors.pop("gate"),
-                        tensors.pop("up"),
-                        tensors.pop("down"),
-                        torch.where(in_part, slot_map - experts.start, -1),
-                        {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
-                        {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
-                        part=True,
-                    )
-                except ValueError as error:
-                    raise _indexed_in_layer(error, first) from error
+                self._load_part(
+                    tensors.pop("gate"),
+                    tensors.pop("up"),
+                    tensors.pop("down"),
+                    torch.where(in_part, slot_map - experts.start, -1),
+                    {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
+                    {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
+                    part=True,
+                    first_expert=experts.start,
+                )
             self._loaded = True
 
     # ---- forward ------------------------------------------------------------------------------

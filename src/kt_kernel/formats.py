@@ -70,6 +70,14 @@ def require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meani
         raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(tensor.shape)}")
 
 
+def first_index(mask: torch.Tensor, first_expert: int = 0) -> list[int]:
+    """The index of the first True of ``mask`` ``[E, ...]``, its expert counted from ``first_expert``
+    (the tensor holds a part of a layer's experts)."""
+    where = mask.nonzero()[0].tolist()
+    where[0] += first_expert
+    return where
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     """One weight format: its names, the dtypes its canonical tensors may be given in (and how a
@@ -182,24 +190,33 @@ class WeightFormat:
         """z * s of every weight: what zero points take from the values' decode."""
         return (zeros.float() * scales.float()).repeat_interleave(k // scales.shape[-1], dim=-1)
 
-    def from_float(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def from_float(
+        self, name: str, weight: torch.Tensor, first_expert: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Float weights ``[E, N, K]`` quantized on load, as the engine takes them (see check_canonical).
         One expert at a time, so that float32 temporaries stay the size of one expert; errors name
-        the tensor and the expert."""
+        the tensor and the expert (counted from ``first_expert``)."""
         parts = []
         for index, expert in enumerate(weight):
             try:
                 parts.append(self.quantize(expert))
             except ValueError as error:
-                raise ValueError(f"{name}[{index}]: {error}") from None
+                raise ValueError(f"{name}[{first_expert + index}]: {error}") from None
         values = torch.stack([p[0] for p in parts])
         return values, self._per_row(values, torch.stack([p[1] for p in parts]))
 
     def check_canonical(
-        self, name: str, values: torch.Tensor, scale_name: str, scale: torch.Tensor, shape_of: ShapeOf
+        self,
+        name: str,
+        values: torch.Tensor,
+        scale_name: str,
+        scale: torch.Tensor,
+        shape_of: ShapeOf,
+        first_expert: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Values and scales given in the canonical layout, checked, the scales as the engine takes
-        them: ``[E, N, scales per row]`` of ``scale_bytes`` each."""
+        them: ``[E, N, scales per row]`` of ``scale_bytes`` each. Errors count the experts from
+        ``first_expert``."""
         if values.dtype not in self.value_dtypes:
             raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
         require_shape(name, values, *shape_of(8 // self.value_bits))
@@ -211,7 +228,8 @@ class WeightFormat:
             require_shape(
                 scale_name, scale, *shape_of(self._given_group(scale_name, scale, self.inputs(values)))
             )
-        return values.contiguous(), self._per_row(values, self._checked_scales(scale_name, scale))
+        scale = self._checked_scales(scale_name, scale, first_expert)
+        return values.contiguous(), self._per_row(values, scale)
 
     def _given_group(self, scale_name: str, scale: torch.Tensor, k: int) -> int:
         """The inputs per scale that given group scales imply, where the format allows several."""
@@ -285,13 +303,13 @@ class WeightFormat:
     def _decode(self, values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+    def _checked_scales(self, name: str, scale: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         """Given scales checked and in the engine's dtype."""
         raise NotImplementedError
 
 
 class _Bf16(WeightFormat):
-    def from_float(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def from_float(self, name: str, weight: torch.Tensor, first_expert: int = 0) -> tuple[torch.Tensor, None]:
         return self._encode(weight, 0)  # the weight itself, as given: nothing to refuse
 
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, None]:
@@ -328,18 +346,19 @@ class _Mxfp4(WeightFormat):
         blocks = values.reshape(*scales.shape, self.scale_groups[0]) * factor[..., None]
         return blocks.reshape(values.shape)
 
-    def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+    def _checked_scales(self, name: str, scale: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         scale = scale.contiguous().view(torch.uint8)
-        nan = (scale == E8M0_NAN).nonzero()
-        if len(nan):
-            raise ValueError(f"{name} holds the E8M0 NaN code 0xFF (first at index {nan[0].tolist()})")
+        nan = scale == E8M0_NAN
+        if nan.any():
+            where = first_index(nan, first_expert)
+            raise ValueError(f"{name} holds the E8M0 NaN code 0xFF (first at index {where})")
         return scale
 
 
 class _FloatScaled(WeightFormat):
     """Values with finite float32 scales (bf16 accepted)."""
 
-    def _checked_scales(self, name: str, scale: torch.Tensor) -> torch.Tensor:
+    def _checked_scales(self, name: str, scale: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
         if not torch.isfinite(scale).all():
             raise ValueError(f"{name} holds a non-finite scale")
         return scale.to(torch.float32)
@@ -392,26 +411,33 @@ class _Fp8(_FloatScaled):
         return (w.reshape(*scales.shape, group) * scales.float()[..., None]).reshape(w.shape)
 
     def check_canonical(
-        self, name: str, values: torch.Tensor, scale_name: str, scale: torch.Tensor, shape_of: ShapeOf
+        self,
+        name: str,
+        values: torch.Tensor,
+        scale_name: str,
+        scale: torch.Tensor,
+        shape_of: ShapeOf,
+        first_expert: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if values.dtype not in self.value_dtypes:
             raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
         require_shape(name, values, *shape_of(1))
         if scale.dtype not in self.scale_dtypes:
             raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
-        return self.stored(name, values, scale_name, scale)
+        return self.stored(name, values, scale_name, scale, first_expert)
 
     def stored(
-        self, name: str, codes: torch.Tensor, scale_name: str, scale: torch.Tensor
+        self, name: str, codes: torch.Tensor, scale_name: str, scale: torch.Tensor, first_expert: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """FP8 codes ``[..., N, K]`` and their scales as a checkpoint stores them -> canonical
         (uint8 codes, float32 scales ``[..., N, scales per row]``): ``[..., N]`` or ``[..., N, 1]``
         per channel, ``[..., N/128, K/128]`` rounded up (DeepSeek's 128 x 128 blocks, expanded along
         N) or ``[..., N, K/128]``. ValueError for a NaN code or a scale that fits none of these."""
         codes = codes.contiguous().view(torch.uint8)
-        nan = ((codes & 0x7F) == 0x7F).nonzero()
-        if len(nan):
-            raise ValueError(f"{name} holds an FP8 NaN code (0x7F or 0xFF; first at index {nan[0].tolist()})")
+        nan = (codes & 0x7F) == 0x7F
+        if nan.any():
+            where = first_index(nan, first_expert)
+            raise ValueError(f"{name} holds an FP8 NaN code (0x7F or 0xFF; first at index {where})")
         *lead, n, k = codes.shape
         blocks = (*lead, -(-n // FP8_BLOCK), k // FP8_BLOCK)
         shape = tuple(scale.shape)

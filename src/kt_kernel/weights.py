@@ -37,11 +37,13 @@ def prepare(
     intermediate: int,
     zeros: dict[str, torch.Tensor | None] | None = None,
     part: bool = False,
+    first_expert: int = 0,
 ) -> tuple[Canonical, torch.Tensor]:
     """The canonical gate/up/down of ``weights`` (gate_proj, up_proj, down_proj), ``scales``
     (gate_scale, ...; all None: float weights, quantized on load) and ``zeros`` (gate_zeros, ...;
     each optional, where the format has zero points), and the checked slot map (with ``part``,
-    -1 is a slot another part of the load fills)."""
+    -1 is a slot another part of the load fills). Errors count the experts from ``first_expert``
+    (the tensors hold a part of a layer)."""
     zeros = zeros or {}
     given_zeros = [name for name, zero in zeros.items() if zero is not None]
     given = [name for name, scale in scales.items() if scale is not None]
@@ -72,7 +74,7 @@ def prepare(
             projections, weights.items(), scales.items(), strict=True
         ):
             values, scale = fmt.check_canonical(
-                name, values, scale_name, require_cpu_tensor(scale_name, scale), shape_of(name)
+                name, values, scale_name, require_cpu_tensor(scale_name, scale), shape_of(name), first_expert
             )
             zero_name = f"{projection}_zeros"
             zero = zeros.get(zero_name)
@@ -85,7 +87,8 @@ def prepare(
             raise TypeError(f"{name} must be bf16, fp16 or fp32, got {tensor.dtype}")
         require_shape(name, tensor, *shape_of(name)(1))
     canonical = {
-        p: (*fmt.from_float(name, t), None) for p, (name, t) in zip(projections, weights.items(), strict=True)
+        p: (*fmt.from_float(name, t, first_expert), None)
+        for p, (name, t) in zip(projections, weights.items(), strict=True)
     }
     return canonical, slot_map
 
