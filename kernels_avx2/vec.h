@@ -18,8 +18,9 @@ void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);    // gemm_bf16.cpp
 
 // FP8 codes -> bf16 (fp8_via_bf16.h): 16 codes, half a packed pair of a group (kernels.h).
-// Exact for every code: the subnormals by vpshufb on byte pairs.
-inline __m256i decode_fp8_line_exact(__m128i raw) {
+// Exact for every code: the subnormals by vpshufb on byte pairs. Out of line: inlined into the tiles,
+// its constants no longer fit the 16 registers and the compiler rebuilt them for every line.
+[[gnu::noinline, gnu::cold]] inline __m256i decode_fp8_line_exact(__m128i raw) {
   const __m256i subnormals =
       _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kFp8SubnormalBf16)));
   const __m256i v = _mm256_cvtepu8_epi16(raw);
@@ -37,12 +38,13 @@ inline __m256i decode_fp8_line_exact(__m128i raw) {
 // The same, faster when all 16 codes are normal (exponent field > 0), as nearly all codes of real
 // weights are: the sign-extended code shifted left by 4 holds the sign in bits 11-15 and the
 // magnitude in bits 4-10, so masking bits 11-14 and adding the bias gives the bf16. A line with a
-// zero or subnormal code (exponent field 0) takes the exact decoder.
+// zero or subnormal code (exponent field 0) takes the exact decoder (marked unlikely, so that the
+// shortcut is laid out as the straight path).
 inline __m256i decode_fp8_line(const uint8_t* codes) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
   // (code & 0x78) + 0x78 carries into bit 7 exactly when the exponent field is not 0.
   const __m128i exponent = _mm_and_si128(raw, _mm_set1_epi8(0x78));
-  if (!_mm_testc_si128(_mm_add_epi8(exponent, _mm_set1_epi8(0x78)), _mm_set1_epi8(char(0x80))))
+  if (__builtin_expect(!_mm_testc_si128(_mm_add_epi8(exponent, _mm_set1_epi8(0x78)), _mm_set1_epi8(char(0x80))), 0))
     return decode_fp8_line_exact(raw);
   const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 4);
   return _mm256_add_epi16(_mm256_and_si256(shifted, _mm256_set1_epi16(int16_t(0x87FF))),

@@ -48,7 +48,7 @@ struct FmaFp8 : Vec {
   };
   using Act = Line;
   using Bits = __m512i;
-  static Bits decode_bits(const uint8_t* codes) { return decode_fp8_line(codes); }
+  static Bits decode_bits(const uint8_t* codes) { return decode_fp8_line<>(codes); }
   static Bits load_bits(const bf16_t* line) { return _mm512_load_si512(line); }
   static void store_bits(bf16_t* line, Bits bits) { _mm512_store_si512(line, bits); }
   static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }

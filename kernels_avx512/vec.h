@@ -81,23 +81,30 @@ inline __m512i decode_fp8_line_exact(__m256i raw) {
   return _mm512_or_si512(_mm512_mask_blend_epi16(is_subnormal, normal, subnormal), sign);
 }
 
-// The same, faster when all 32 codes are normal (exponent field > 0), as nearly all codes of real
-// weights are: the sign-extended code shifted left by 4 holds the sign in bits 11-15 and the
-// magnitude in bits 4-10, so masking bits 11-14 and adding the bias gives the bf16. A line with a
-// zero or subnormal code takes the exact decoder.
-inline __m512i decode_fp8_line(const uint8_t* codes) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-  if (_mm256_testn_epi8_mask(raw, _mm256_set1_epi8(0x78)) != 0) return decode_fp8_line_exact(raw);
+// 32 normal codes (exponent field > 0), as nearly all codes of real weights are: the sign-extended
+// code shifted left by 4 holds the sign in bits 11-15 and the magnitude in bits 4-10, so masking
+// bits 11-14 and adding the bias gives the bf16.
+inline __m512i decode_fp8_normal(__m256i raw) {
   const __m512i shifted = _mm512_slli_epi16(_mm512_cvtepi8_epi16(raw), 4);
   return _mm512_add_epi16(_mm512_and_si512(shifted, _mm512_set1_epi16(int16_t(0x87FF))),
                           _mm512_set1_epi16(kFp8NormalBias));
+}
+
+// 32 codes: the normal shortcut, or Exact(raw) for a line with a zero or subnormal code. Marked
+// unlikely, so that the compiler lays the shortcut out as the straight path (one core, codes in
+// cache: 22 -> 32 Gweights/s).
+template <__m512i (*Exact)(__m256i) = decode_fp8_line_exact>
+inline __m512i decode_fp8_line(const uint8_t* codes) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+  if (__builtin_expect(_mm256_testn_epi8_mask(raw, _mm256_set1_epi8(0x78)) != 0, 0)) return Exact(raw);
+  return decode_fp8_normal(raw);
 }
 
 // count codes -> bf16 in memory, count a multiple of 32 (the amx build, fp8_via_bf16.h).
 inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   for (size_t i = 0; i < count; i += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    _mm512_store_si512(out + i, decode_fp8_line(codes + i));
+    _mm512_store_si512(out + i, decode_fp8_line<>(codes + i));
   }
 }
 

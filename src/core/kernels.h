@@ -99,8 +99,8 @@ struct PackedGroups {
   // tiles pull them into L2 while they reread these from cache (gemm_tiled).
   const uint8_t* next_values = nullptr;
   // Set by gemm_tiled, read by prefetch_weights: 0 = prefetch this run 4 KiB ahead into L1, else
-  // prefetch the line this many bytes away (in next_values) into L2.
-  ptrdiff_t warm_distance = 0;
+  // prefetch the line this many bytes away into L2 (this run 4 KiB ahead, or next_values).
+  ptrdiff_t l2_prefetch_distance = 0;
 };
 
 // ---- BF16 -----------------------------------------------------------------------------------
