@@ -7,7 +7,8 @@
 //    adds its scaled product of the block to y.
 //
 // P (one bf16 multiply path of a build: vdpbf16ps, or fp32 FMA on widened bf16) provides the vector
-// traits of int_tiles.h that the tiles use (Float, kLanes, load_ps, set1_ps, fmadd, storeu_ps) and:
+// traits of int_tiles.h that the tiles use (Float, kLanes, load_ps, loadu_ps, set1_ps, fmadd, mul,
+// storeu_ps) and:
 //   Row: an activation row handle; Act act(Row x, int p): inputs 2p, 2p + 1 of a row;
 //   Bits decode_bits(const uint8_t* codes): 2 * kLanes packed codes (kLanes rows x one input pair)
 //   as bf16 (a vector of them in the BF16 layout); Bits load_bits(const bf16_t*), store_bits(bf16_t*,
@@ -99,11 +100,10 @@ struct Fp8Tiles {
         const Float s = scale(w, v, 0);
         for (int i = 0; i < M; ++i) {
           float* out = y + i * y_stride + v * P::kLanes;
-          const Float product = P::mul(sums[i][v], s);
           if constexpr (kAddToY)
-            P::storeu_ps(out, P::add_ps(product, P::loadu_ps(out)));
+            P::storeu_ps(out, P::fmadd(sums[i][v], s, P::loadu_ps(out)));
           else
-            P::storeu_ps(out, product);
+            P::storeu_ps(out, P::mul(sums[i][v], s));
         }
       }
     }
