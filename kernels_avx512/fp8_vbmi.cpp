@@ -1,8 +1,9 @@
 // FP8 on CPUs with AVX512_VBMI and AVX512_BF16: lines with a zero or subnormal code are decoded by two
 // 128-entry byte lookups (vpermi2b: the low and the high byte of the magnitude's bf16) and the sign
-// bit, five instructions per 32 codes where the exact arithmetic decoder of vec.h takes nine; lines
-// of normal codes take vec.h's shortcut, faster still (one core, codes in cache: 27 -> 33 Gweights/s). This file alone is
-// compiled with -mavx512vbmi (CMakeLists.txt); paths.cpp calls it only after CPUID reported both.
+// bit, five instructions per 32 codes where the exact arithmetic decoder of vec.h takes nine. Lines
+// of normal codes take vec.h's shortcut, faster still (one core, codes in cache: 27 -> 32 Gweights/s
+// against the lookups for every line). This file alone is compiled with -mavx512vbmi
+// (CMakeLists.txt); paths.cpp calls it only after CPUID reported both.
 #include <array>
 
 #include "vec.h"

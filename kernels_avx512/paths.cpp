@@ -50,7 +50,7 @@ KernelInfo paths_info() {
                      : "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)",
           p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)",
           !p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, fp32 fma"
-          : p.vpermb   ? "E4M3 -> bf16 by byte lookups (avx512_vbmi), vdpbf16ps"
+          : p.vpermb   ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), vdpbf16ps"
                        : "E4M3 -> bf16 arithmetically, vdpbf16ps"};
 }
 

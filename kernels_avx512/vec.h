@@ -30,8 +30,8 @@ void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t 
 // AVX512_VNNI code, in vpdpbusd.cpp (-mavx512vnni): called only after CPUID reported them.
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_fp8_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-// FP8 decoded by byte lookups, in fp8_vbmi.cpp (-mavx512vbmi -mavx512bf16): called only after CPUID
-// reported AVX512_VBMI and AVX512_BF16.
+// FP8 with byte lookups for lines of zero or subnormal codes, in fp8_vbmi.cpp (-mavx512vbmi
+// -mavx512bf16): called only after CPUID reported AVX512_VBMI and AVX512_BF16.
 void gemm_fp8_vdpbf16ps_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
