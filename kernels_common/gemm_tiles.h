@@ -22,7 +22,7 @@ constexpr int kWeightPrefetchBytes = 4096;
 // Into L1 where later row blocks reread the lines (prefill: the multiply-adds wait on L1 misses);
 // into L2 where one pass reads them once (decode): there 64 lines ahead per stream and up to eight
 // streams per tile hold more misses than L1 can track, and the demand loads wait behind them
-// (Zen 4, 2 threads, qwen3-30b: INT4 T = 8 9.0-10.0 -> 5.5-6.5 ms; avx2 BF16 prefill 12 % slower
+// (Zen 4, 2 threads, qwen3-30b: INT4 T = 8 9.0-10.0 -> 5.5-6.5 ms; avx2 BF16 prefill about 10 % slower
 // with L2 prefetches).
 inline void prefetch_weights(const PackedGroups& w, const uint8_t* line) {
   if (w.l2_prefetch_distance == 0)
