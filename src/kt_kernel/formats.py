@@ -217,11 +217,7 @@ class WeightFormat:
         """Values and scales given in the canonical layout, checked, the scales as the engine takes
         them: ``[E, N, scales per row]`` of ``scale_bytes`` each. Errors count the experts from
         ``first_expert``."""
-        if values.dtype not in self.value_dtypes:
-            raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
-        require_shape(name, values, *shape_of(8 // self.value_bits))
-        if scale.dtype not in self.scale_dtypes:
-            raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
+        self._check_dtypes_and_values(name, values, scale_name, scale, shape_of)
         if self.scale_groups == (0,):
             require_shape(scale_name, scale, tuple(values.shape[:2]), "[E, N]")
         else:
@@ -230,6 +226,16 @@ class WeightFormat:
             )
         scale = self._checked_scales(scale_name, scale, first_expert)
         return values.contiguous(), self._per_row(values, scale)
+
+    def _check_dtypes_and_values(
+        self, name: str, values: torch.Tensor, scale_name: str, scale: torch.Tensor, shape_of: ShapeOf
+    ) -> None:
+        """The dtypes of values and scales, and the values' shape."""
+        if values.dtype not in self.value_dtypes:
+            raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
+        require_shape(name, values, *shape_of(8 // self.value_bits))
+        if scale.dtype not in self.scale_dtypes:
+            raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
 
     def _given_group(self, scale_name: str, scale: torch.Tensor, k: int) -> int:
         """The inputs per scale that given group scales imply, where the format allows several."""
@@ -419,11 +425,7 @@ class _Fp8(_FloatScaled):
         shape_of: ShapeOf,
         first_expert: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if values.dtype not in self.value_dtypes:
-            raise TypeError(f"{name} must hold {self.values_text}, got {values.dtype}")
-        require_shape(name, values, *shape_of(1))
-        if scale.dtype not in self.scale_dtypes:
-            raise TypeError(f"{scale_name} must be {self.scales_text}, got {scale.dtype}")
+        self._check_dtypes_and_values(name, values, scale_name, scale, shape_of)
         return self.stored(name, values, scale_name, scale, first_expert)
 
     def stored(
