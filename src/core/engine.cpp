@@ -455,6 +455,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   if (ran_inline_) {
     forward_worker(0);
   } else {
+    may_stand_in_ = pool_->all_asleep();
     job_ = pool_->submit([this](int worker) { forward_worker(worker); });
     job_in_pool_ = true;
   }
@@ -465,9 +466,10 @@ void MoEEngine::sync() {
   if (!pending_) throw std::logic_error("sync without a submitted forward");
   pending_ = false;
   if (!ran_inline_) {
-    // A worker the OS has not run yet (its CPU busy with this thread, say, until it blocks here) would
-    // leave the work to the others: this thread stands in for it rather than sleep.
-    if (workers_in_.load() < pool_->size() && !call_done_.load()) {
+    // Workers that were all asleep at submit start only once woken (tens to hundreds of microseconds
+    // on a virtual machine): this thread takes items until the call is done rather than sleep. Not
+    // when some were awake: an extra thread then only competes with them for the CPUs.
+    if (may_stand_in_ && workers_in_.load() < pool_->size() && !call_done_.load()) {
       pool_->throw_if_lost(job_);  // after a fork, items the parent's workers held never finish
       forward_worker(pool_->size());
     }

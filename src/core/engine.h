@@ -206,6 +206,7 @@ class MoEEngine {
   // state must not change until they have left.
   bool job_in_pool_ = false;
   std::atomic<bool> call_done_{false};  // every item of the call in flight is done
+  bool may_stand_in_ = false;           // sync() may take items: the workers were asleep at submit
   std::atomic<int> workers_in_{0};      // threads that have begun their part of the call in flight
   int hidden_stride_, inter_stride_;  // activation row strides, zero padded
   std::shared_ptr<ExpertWeights> weights_;

@@ -18,25 +18,22 @@ namespace {
 // futex wake-up, while an idle pool costs no CPU.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(200);
 
-// Spins until ready() or kSpinBeforeSleep has passed (false then). Yields instead of pausing while
-// yield_cpu() says the awaited threads may be waiting for this CPU.
-template <typename Ready, typename YieldCpu>
-bool spin_until(Ready ready, YieldCpu yield_cpu) {
+// How a waiting thread spins: pausing (it expects what it waits for from a thread running on another
+// CPU), or yielding (that thread may be waiting for this CPU).
+enum class Spin { kPause, kYield };
+
+// Spins until ready() or kSpinBeforeSleep has passed (false then).
+template <typename Ready>
+bool spin_until(Ready ready, Spin spin) {
   const auto deadline = std::chrono::steady_clock::now() + kSpinBeforeSleep;
   for (int i = 0;; ++i) {
     if (ready()) return true;
-    const bool yielding = yield_cpu();
-    if (yielding)
+    if (spin == Spin::kYield)
       std::this_thread::yield();
     else
       _mm_pause();
-    if ((yielding || (i & 255) == 255) && std::chrono::steady_clock::now() > deadline) return false;
+    if ((spin == Spin::kYield || (i & 255) == 255) && std::chrono::steady_clock::now() > deadline) return false;
   }
-}
-
-template <typename Ready>
-bool spin_until(Ready ready) {
-  return spin_until(ready, [] { return false; });
 }
 
 // A CPU mask sized for `cpus` CPUs (CPU_ALLOC): the fixed cpu_set_t stops at 1024 CPUs.
@@ -175,7 +172,7 @@ ThreadPool::Ticket ThreadPool::submit(std::function<void(int)> job) {
   Ticket ticket;
   {
     std::lock_guard<std::mutex> lock(w.mutex);
-    w.queue.push_back(std::move(job));
+    w.queue.emplace_back(std::move(job));
     ticket = w.submitted.fetch_add(1, std::memory_order_release);
   }
   w.job_posted.notify_all();
@@ -219,37 +216,36 @@ void ThreadPool::notify_done() {
 
 void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ticket) {
   for (uint64_t next = first_ticket;; ++next) {
-    // Job `next` may start once it was submitted and every worker has left the job before it.
-    auto ready = [&] {
-      return w.submitted.load(std::memory_order_acquire) > next && w.completed.load(std::memory_order_acquire) == next;
-    };
-    // Once the job is posted, what it waits for is workers still in the last job (which may have
-    // the work all done but wait for this CPU): yield to them.
-    if (!spin_until(ready, [&] { return w.submitted.load(std::memory_order_acquire) > next; })) {
+    auto ready = [&] { return w.submitted.load(std::memory_order_acquire) > next; };
+    if (!spin_until(ready, Spin::kPause)) {
+      w.asleep.fetch_add(1, std::memory_order_relaxed);
       std::unique_lock<std::mutex> lock(w.mutex);
       w.job_posted.wait(lock, [&] { return w.stopping || ready(); });
+      w.asleep.fetch_sub(1, std::memory_order_relaxed);
     }
-    const std::function<void(int)>* job;
+    Workers::Job* job;
     {
       std::lock_guard<std::mutex> lock(w.mutex);
       if (w.stopping) return;
-      job = &w.queue.front();  // deque: pushing behind it moves nothing
+      // Not yet completed: this worker has not left it. Deque: pushing and popping others moves nothing.
+      job = &w.queue[next - w.completed.load(std::memory_order_relaxed)];
     }
-    (*job)(index);
-    if (w.finished_workers.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
+    job->run(index);
+    if (job->left.fetch_add(1, std::memory_order_acq_rel) + 1 == count) {
+      // Jobs complete in order: a later one whose workers have all left waits for the ones before.
       std::lock_guard<std::mutex> lock(w.mutex);
-      w.finished_workers.store(0, std::memory_order_relaxed);
-      w.queue.pop_front();
-      w.completed.store(next + 1, std::memory_order_release);
+      uint64_t completed = w.completed.load(std::memory_order_relaxed);
+      for (; !w.queue.empty() && w.queue.front().left.load(std::memory_order_acquire) == count; ++completed)
+        w.queue.pop_front();
+      w.completed.store(completed, std::memory_order_release);
       w.job_finished.notify_all();
-      w.job_posted.notify_all();  // the others may wait for this job's end to start the next
     }
   }
 }
 
 void wait_for_count(const std::atomic<int>& counter, int target) {
   for (int seen; (seen = counter.load(std::memory_order_acquire)) < target;)
-    if (!spin_until([&] { return counter.load(std::memory_order_acquire) != seen; }))
+    if (!spin_until([&] { return counter.load(std::memory_order_acquire) != seen; }, Spin::kYield))
       counter.wait(seen, std::memory_order_acquire);
 }
 

@@ -1,10 +1,12 @@
 // A fixed set of worker threads that run jobs one after another, in the order they were submitted:
-// a job is job(worker_index) on every worker. submit() returns at once with a ticket (that is what
-// makes submit_forward asynchronous, and lets several layers be in flight on one pool); wait(ticket)
-// blocks until that job has finished. A job that hands out its work item by item may be complete
-// before every worker has been through it (a worker the OS ran late finds nothing left): it sets a
-// flag of its own and wait(ticket, flag) returns then. Optionally every worker pins itself to a set
-// of CPUs (a NUMA node's) before it runs anything else.
+// a job is job(worker_index) on every worker, and it has finished once every worker has left it.
+// Each worker goes on to the next job as soon as it leaves one, so one the OS runs late holds up no
+// other's next job. submit() returns at once with a ticket (that is what makes submit_forward
+// asynchronous, and lets several layers be in flight on one pool); wait(ticket) blocks until that
+// job has finished. A job that hands out its work item by item may be complete before every worker
+// has been through it (a worker the OS ran late finds nothing left): it sets a flag of its own and
+// wait(ticket, flag) returns then. Optionally every worker pins itself to a set of CPUs (a NUMA
+// node's) before it runs anything else.
 //
 // After fork() the child has none of the workers: the pool starts new ones on its next job. Jobs
 // that were queued or running at the fork cannot finish in the child; waiting for one throws.
@@ -35,6 +37,9 @@ class ThreadPool {
   using Ticket = uint64_t;
 
   int size() const { return threads_; }
+  // Whether every worker was asleep waiting for a job just now: the next job then starts only after
+  // a wake-up, which costs tens of microseconds or more on a busy or virtual machine.
+  bool all_asleep() const { return workers_->asleep.load(std::memory_order_relaxed) == threads_; }
   // Queues a job behind every job submitted before it. The job must not throw: it runs on worker
   // threads and a throw there would abort.
   Ticket submit(std::function<void(int)> job);
@@ -62,11 +67,17 @@ class ThreadPool {
     std::vector<std::thread> threads;
     std::mutex mutex;
     std::condition_variable job_posted, job_finished;
-    std::deque<std::function<void(int)>> queue;  // jobs completed .. submitted - 1; guarded by mutex
-    // Jobs submitted and completed so far. Workers start job n once completed == n < submitted
-    // (spinning a while, then sleeping), so no worker enters a job before all have left the last.
+    struct Job {
+      explicit Job(std::function<void(int)> run) : run(std::move(run)) {}
+      std::function<void(int)> run;
+      std::atomic<int> left{0};  // workers that have been through it
+    };
+    std::deque<Job> queue;  // jobs completed .. submitted - 1; guarded by mutex
+    // Jobs submitted, and completed (every worker has left them) so far. A worker starts job n once
+    // it has left job n - 1 and n < submitted (spinning a while, then sleeping): a worker the OS runs
+    // late holds up no other worker's next job.
     std::atomic<uint64_t> submitted{0}, completed{0};
-    std::atomic<int> finished_workers{0};  // of the job running now
+    std::atomic<int> asleep{0};  // workers waiting for a job in job_posted rather than spinning
     bool stopping = false;  // guarded by mutex
   };
 
@@ -89,7 +100,8 @@ class ThreadPool {
   std::unique_ptr<Workers> workers_;
 };
 
-// Blocks until counter >= target: spins a while (what it waits for is usually short), then sleeps in
+// Blocks until counter >= target: spins a while (what it waits for is usually short), yielding the CPU
+// to any thread waiting for it (maybe the one the counter waits for), then sleeps in
 // std::atomic::wait. Whoever makes the counter reach target calls counter.notify_all().
 void wait_for_count(const std::atomic<int>& counter, int target);
 
