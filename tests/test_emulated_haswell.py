@@ -1,6 +1,6 @@
 """On a CPU without AVX512 (qemu-user emulating Haswell) whose /proc/cpuinfo still shows the host's
 AVX512 flags, `import kt_kernel` must end on the avx2 build (CPUID refusal + fallback, no SIGILL)
-and BF16, MXFP4, INT8 and INT4 forwards must run and match the reference."""
+and BF16, MXFP4, INT8, INT4 and FP8 forwards must run and match the reference."""
 
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ for method in ("INT8", "INT4"):
     ref = reference_forward(p)
     out = moe.forward(p.hidden, p.ids, p.weights).double()
     assert ((out - ref).norm() / ref.norm()).item() < 0.03, method  # int8 activations
+# FP8: one token per expert decodes the codes through fp16 (F16C), nine tokens through bf16. Scales
+# are powers of two, so the stored weights are bf16 numbers, as reference_forward takes them.
+for tokens in (1, 9):
+    p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=tokens)
+    q = {}
+    for name in ("gate", "up", "down"):
+        codes, scales = kt_kernel.quant.quantize("FP8", getattr(p, name))
+        q[name] = (codes, torch.exp2(torch.round(torch.log2(scales))))
+        setattr(p, name, kt_kernel.quant.dequantize("FP8", *q[name]))
+    moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method="FP8")
+    moe.load_weights_from_tensors(*(q[n][0] for n in q), **{f"{n}_scale": q[n][1] for n in q})
+    assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
 print("VARIANT", kt_kernel.__cpu_variant__, kt_kernel.cpu_info()["kernels"]["bf16_path"])
 """
 
