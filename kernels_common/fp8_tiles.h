@@ -64,14 +64,17 @@ struct Fp8Tiles {
       const size_t store_group_elems = size_t(p1 - p0) * 2 * kGroupRows;
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) sums[i][v] = P::set1_ps(0.0f);
-      for (int p = p0; p < p1; ++p) {
+      // A do-while (p1 > p0 always): GCC 12 keeps the sums of a loop that may run zero times in
+      // memory, stored and reloaded around it every block.
+      int p = p0;
+      do {
         typename P::Line lines[kVecs];
         for (int v = 0; v < kVecs; ++v) lines[v] = line(w, v, p, store, store_group_elems);
         for (int i = 0; i < M; ++i) {
           const typename P::Act a = P::act(x[i], p);
           for (int v = 0; v < kVecs; ++v) sums[i][v] = P::dot(sums[i][v], lines[v], a);
         }
-      }
+      } while (++p < p1);
     }
 
     // Every scale block of w.k (the codes, in registers): gemm_tiled's tile.
@@ -96,16 +99,16 @@ struct Fp8Tiles {
     static void run_block(const Row* x, const PackedGroups& w, bf16_t* store, float* y, size_t y_stride) {
       Float sums[M][kVecs];
       block_sums(x, w, 0, round_up(w.k, 2) / 2, sums, store);
-      for (int v = 0; v < kVecs; ++v) {
-        const Float s = scale(w, v, 0);
-        for (int i = 0; i < M; ++i) {
+      Float scales[kVecs];  // loaded before the stores to y, which the compiler must assume alias them
+      for (int v = 0; v < kVecs; ++v) scales[v] = scale(w, v, 0);
+      for (int i = 0; i < M; ++i)
+        for (int v = 0; v < kVecs; ++v) {
           float* out = y + i * y_stride + v * P::kLanes;
           if constexpr (kAddToY)
-            P::storeu_ps(out, P::fmadd(sums[i][v], s, P::loadu_ps(out)));
+            P::storeu_ps(out, P::fmadd(sums[i][v], scales[v], P::loadu_ps(out)));
           else
-            P::storeu_ps(out, P::mul(sums[i][v], s));
+            P::storeu_ps(out, P::mul(sums[i][v], scales[v]));
         }
-      }
     }
   };
 

@@ -112,7 +112,11 @@ struct IntTiles {
         Int part[M][kVecs];  // this scale group's integer sums
         for (int i = 0; i < M; ++i)
           for (int v = 0; v < kVecs; ++v) part[i][v] = V::set1(0);
-        for (int c = s * lines_per_scale; c < (s + 1) * lines_per_scale; ++c) {
+        // A do-while (a scale group holds at least one line): GCC 12 keeps the sums of a loop that
+        // may run zero times in memory, stored and reloaded around it (avx512, one core, in cache:
+        // INT4 +6 %).
+        int c = s * lines_per_scale;
+        do {
           typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8c..8c+3 and 8c+4..8c+7
           for (int v = 0; v < kVecs; ++v) {
             prefetch_weights(w, line(w, v, c));
@@ -125,7 +129,7 @@ struct IntTiles {
             const typename Dot::Act a_high = Dot::activation(x[i].values, 2 * c + 1);
             for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot2(part[i][v], low[v], a_low, high[v], a_high);
           }
-        }
+        } while (++c < (s + 1) * lines_per_scale);
         Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
         if (w.zeros != nullptr)
           for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
