@@ -25,11 +25,10 @@ constexpr int kWeightPrefetchBytes = 4096;
 // (Zen 4, 2 threads, qwen3-30b: INT4 T = 8 9.0-10.0 -> 5.5-6.5 ms; avx2 BF16 prefill about 10 % slower
 // with L2 prefetches).
 inline void prefetch_weights(const PackedGroups& w, const uint8_t* line) {
-  if (w.ahead == PackedGroups::Ahead::kL1)
+  if (w.l2_prefetch_distance == 0)
     _mm_prefetch(reinterpret_cast<const char*>(line + kWeightPrefetchBytes), _MM_HINT_T0);
-  else if (w.ahead == PackedGroups::Ahead::kL2)
-    _mm_prefetch(reinterpret_cast<const char*>(line + kWeightPrefetchBytes), _MM_HINT_T1);
-  if (w.next_distance != 0) _mm_prefetch(reinterpret_cast<const char*>(line + w.next_distance), _MM_HINT_T1);
+  else
+    _mm_prefetch(reinterpret_cast<const char*>(line + w.l2_prefetch_distance), _MM_HINT_T1);
 }
 
 // x_rows: M activation row handles (const bf16_t*, const float* where a kernel widens rows first,
@@ -69,9 +68,10 @@ void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_s
       // -> 0.99-1.05 ms; its own lines 4 KiB ahead as well gained nothing more). A tile of one group
       // reads one stream, 4 KiB ahead, which the hardware prefetcher keeps up with (avx2 INT4 T=1
       // with the pull: about 10 % slower).
-      const bool single = blocks == 1, pulls_next = w.next_values != nullptr && (single ? NV > 1 : b == 1);
-      block.ahead = pulls_next ? PackedGroups::Ahead::kNone : single ? PackedGroups::Ahead::kL2 : PackedGroups::Ahead::kL1;
-      block.next_distance = pulls_next ? w.next_values - w.values : 0;
+      const bool pulls_next = w.next_values != nullptr && (blocks == 1 ? NV > 1 : b == 1);
+      block.l2_prefetch_distance = pulls_next    ? w.next_values - w.values
+                                   : blocks == 1 ? kWeightPrefetchBytes
+                                                 : 0;
       Row rows[MaxM];
       for (int i = 0; i < mm; ++i) rows[i] = row_of(i0 + i);
       TileTable<Tile, MaxM, NV, Row>::table[(mm - 1) * NV + (nv - 1)](rows, block,

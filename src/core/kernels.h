@@ -98,12 +98,9 @@ struct PackedGroups {
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
   // tiles pull them into L2 while they read these (gemm_tiled).
   const uint8_t* next_values = nullptr;
-  // Set by gemm_tiled, read by prefetch_weights: with each line the tiles prefetch this run's line
-  // 4 KiB ahead (into L1 or L2, or not at all) and, where next_distance is not 0, the line that far
-  // away (the same line of next_values) into L2.
-  enum class Ahead : uint8_t { kNone, kL1, kL2 };
-  Ahead ahead = Ahead::kL1;
-  ptrdiff_t next_distance = 0;
+  // Set by gemm_tiled, read by prefetch_weights: 0 = prefetch this run 4 KiB ahead into L1, else
+  // prefetch the line this many bytes away into L2 (this run 4 KiB ahead, or next_values).
+  ptrdiff_t l2_prefetch_distance = 0;
 };
 
 // ---- BF16 -----------------------------------------------------------------------------------
