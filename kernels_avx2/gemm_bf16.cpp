@@ -1,6 +1,5 @@
 // AVX2 BF16 GEMM: fp32 FMA on weights widened from bf16 by a shift / mask. Compiled with
 // -mavx2 -mfma -mf16c only: no AVX512 instruction may appear in this build.
-#include "bf16.h"
 #include "vec.h"
 
 KT_NAMESPACE_BEGIN
@@ -68,19 +67,6 @@ struct FmaTile {
       for (int v = 0; v < 2 * NV; ++v) _mm256_storeu_ps(y + i * y_stride + v * 8, acc[i][v]);
   }
 };
-
-// The rows of x in fp32, in x.scratch: widening each activation once per call instead of once per
-// weight group frees the FMA ports' shift / mask work.
-const float* widen_rows(const Activations& x, int k) {
-  float* widened = reinterpret_cast<float*>(x.scratch);
-  const int row_elems = round_up(k, 2);
-  for (int i = 0; i < x.rows; ++i) {
-    const bf16_t* src = x.row(i);
-    float* dst = widened + size_t(i) * row_elems;
-    for (int c = 0; c < row_elems; ++c) dst[c] = bf16_to_float(src[c]);
-  }
-  return widened;
-}
 
 // FP8 (fp8_tiles.h): decoded weight lines widened like the BF16 ones, on the widened rows.
 struct FmaFp8 : Vec {
@@ -156,9 +142,7 @@ struct Fp8ViaF16Tile {
 }  // namespace
 
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  const float* widened = widen_rows(x, w.k);
-  const size_t row_elems = size_t(round_up(w.k, 2));
-  const auto row = [&](int i) { return widened + i * row_elems; };
+  const WidenedRows row = widen_rows(x, w.k);
   // One row: 1 x 2 tiles, eight sums. More rows: the stack, where each code is decoded once per tile
   // of rows and read back as bf16.
   if (x.rows == 1)
@@ -168,9 +152,7 @@ void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_st
 }
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  const float* widened = widen_rows(x, w.k);
-  const size_t row_elems = size_t(round_up(w.k, 2));
-  const auto row = [&](int i) { return widened + i * row_elems; };
+  const WidenedRows row = widen_rows(x, w.k);
   if (x.rows <= kFewRows)
     gemm_tiled<FmaTile, kFewRows, kFewRowsGroups, const float*>(row, x.rows, w, y, y_stride);
   else

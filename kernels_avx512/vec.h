@@ -30,9 +30,10 @@ void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t 
 // AVX512_VNNI code, in vpdpbusd.cpp (-mavx512vnni): called only after CPUID reported them.
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_fp8_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-// FP8 with byte lookups for lines of zero or subnormal codes, in fp8_vbmi.cpp (-mavx512vbmi
-// -mavx512bf16): called only after CPUID reported AVX512_VBMI and AVX512_BF16.
+// FP8 decoded by byte lookups, in fp8_vbmi.cpp (-mavx512vbmi -mavx512bf16): called only after CPUID
+// reported AVX512_VBMI (and AVX512_BF16 for the vdpbf16ps one).
 void gemm_fp8_vdpbf16ps_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_fp8_fma_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
@@ -67,6 +68,12 @@ struct Vec {
   }
 };
 
+// bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
+inline __m512 even_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline __m512 odd_bf16(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
 // FP8 codes -> bf16 (fp8_via_bf16.h): 32 codes, one packed pair of a group (kernels.h).
 // Exact for every code: the subnormals looked up by vpermw.
 inline __m512i decode_fp8_line_exact(__m256i raw) {
@@ -89,13 +96,12 @@ inline __m512i decode_fp8_normal(__m256i raw) {
                           _mm512_set1_epi16(kFp8NormalBias));
 }
 
-// 32 codes: the normal shortcut, or Exact(raw) for a line with a zero or subnormal code. Marked
-// unlikely, so that the compiler lays the shortcut out as the straight path (one core, codes in
-// cache: 22 -> 32 Gweights/s).
-template <__m512i (*Exact)(__m256i) = decode_fp8_line_exact>
+// 32 codes: the normal shortcut, or the exact decoder for a line with a zero or subnormal code.
+// Marked unlikely, so that the compiler lays the shortcut out as the straight path (one core, codes
+// in cache: 22 -> 32 Gweights/s).
 inline __m512i decode_fp8_line(const uint8_t* codes) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-  if (__builtin_expect(_mm256_testn_epi8_mask(raw, _mm256_set1_epi8(0x78)) != 0, 0)) return Exact(raw);
+  if (__builtin_expect(_mm256_testn_epi8_mask(raw, _mm256_set1_epi8(0x78)) != 0, 0)) return decode_fp8_line_exact(raw);
   return decode_fp8_normal(raw);
 }
 
@@ -103,7 +109,7 @@ inline __m512i decode_fp8_line(const uint8_t* codes) {
 inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
   for (size_t i = 0; i < count; i += 32) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    _mm512_store_si512(out + i, decode_fp8_line<>(codes + i));
+    _mm512_store_si512(out + i, decode_fp8_line(codes + i));
   }
 }
 
@@ -125,10 +131,33 @@ struct DpBf16Fp8 : Vec {
 };
 constexpr int kDpRows = 6, kDpGroups = 4;  // the vdpbf16ps tiles: 24 accumulators + 4 weight lines
 
-// bf16 -> fp32 of the even (low half) and odd (high half) element of each 32-bit lane.
-inline __m512 even_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
-inline __m512 odd_bf16(__m512i pairs) {
-  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+// FP8 on fp32 FMA (fp8_tiles.h): decoded weight lines widened like the BF16 ones, on widened rows
+// (widen_rows); Decode as above.
+template <__m512i (*Decode)(const uint8_t*)>
+struct FmaFp8 : Vec {
+  using Row = const float*;
+  struct Line {
+    __m512 even, odd;
+  };
+  using Act = Line;
+  using Bits = __m512i;
+  static Bits decode_bits(const uint8_t* codes) { return Decode(codes); }
+  static Bits load_bits(const bf16_t* line) { return _mm512_load_si512(line); }
+  static void store_bits(bf16_t* line, Bits bits) { _mm512_store_si512(line, bits); }
+  static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  static Act act(Row x, int p) { return {_mm512_set1_ps(x[2 * p]), _mm512_set1_ps(x[2 * p + 1])}; }
+  static Float dot(Float acc, const Line& w, const Act& a) {
+    return _mm512_fmadd_ps(a.odd, w.odd, _mm512_fmadd_ps(a.even, w.even, acc));
+  }
+};
+
+// The fp32 FMA tiles (gemm_bf16.cpp): rows x 16-column groups of zmm accumulators.
+constexpr int kFmaRows = 4, kFmaGroups = 4;  // 16 accumulators + 8 decoded weight vectors
+
+// The FP8 GEMM of path P on fp32 FMA: on x's rows widened.
+template <class P>
+void gemm_fp8_on_widened_rows(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_fp8<P, 4, 2, kFmaRows, kFmaGroups>(widen_rows(x, w.k), x.rows, w, y, y_stride);
 }
 
 }  // namespace avx512

@@ -45,6 +45,8 @@ def test_forced_build_is_the_one_loaded():
     path = kt_kernel.cpu_info()["kernels"]["bf16_path"]
     if os.environ.get("KT_KERNEL_DISABLE_AVX512_BF16") == "1":
         assert path.startswith("avx512f"), path
+    elif os.environ.get("KT_KERNEL_FORCE_AVX512_BF16") == "1" and forced == "avx512":
+        assert path == "avx512_bf16 (vdpbf16ps)", path
     elif forced == "avx2":
         assert path.startswith("avx2"), path
 

@@ -1,5 +1,6 @@
 """The kernel suites under every build this CPU can execute, each forced with KT_KERNEL_CPU_VARIANT
-in its own process; the AVX512 build with and without its AVX512_BF16, AVX512_VNNI and AVX512_VBMI paths."""
+in its own process; the AVX512 build with and without its AVX512_BF16, AVX512_VNNI and AVX512_VBMI paths
+(AVX512_BF16 forced on where the build would measure fp32 FMA faster and take that)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,26 @@ SUITES = [
 ]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
-    "avx512-bf16-vnni": {"KT_KERNEL_CPU_VARIANT": "avx512"},
+    "avx512-bf16-vnni": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_FORCE_AVX512_BF16": "1"},
     "avx512-plain": {
         "KT_KERNEL_CPU_VARIANT": "avx512",
         "KT_KERNEL_DISABLE_AVX512_BF16": "1",
         "KT_KERNEL_DISABLE_AVX512_VNNI": "1",
+        "KT_KERNEL_DISABLE_AVX512_VBMI": "1",
     },
-    "avx512-bf16-no-vbmi": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_DISABLE_AVX512_VBMI": "1"},
+    "avx512-bf16-no-vbmi": {
+        "KT_KERNEL_CPU_VARIANT": "avx512",
+        "KT_KERNEL_FORCE_AVX512_BF16": "1",
+        "KT_KERNEL_DISABLE_AVX512_VBMI": "1",
+    },
+    "avx512-fma-vbmi": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_DISABLE_AVX512_BF16": "1"},
     "avx2": {"KT_KERNEL_CPU_VARIANT": "avx2"},
 }
 # Runs that change one format's path only run that format's suite.
-RUN_SUITES = {"avx512-bf16-no-vbmi": ["tests/test_fp8_kernels.py"]}
+RUN_SUITES = {
+    "avx512-bf16-no-vbmi": ["tests/test_fp8_kernels.py"],
+    "avx512-fma-vbmi": ["tests/test_fp8_kernels.py"],
+}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -41,6 +51,8 @@ def test_kernel_suites_under_build(run):
         pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VNNI: only the plain AVX512 paths can run")
     if run == "avx512-bf16-no-vbmi" and not {"avx512_bf16", "avx512vbmi"} <= HOST_FLAGS:
         pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VBMI: the arithmetic FP8 decoder is its only one")
+    if run == "avx512-fma-vbmi" and "avx512vbmi" not in HOST_FLAGS:
+        pytest.skip("this CPU lacks AVX512_VBMI: avx512-plain runs its only FP8 path on fp32 FMA")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env
     command = [
         sys.executable,
