@@ -40,7 +40,7 @@ struct FmaTile {
 }  // namespace
 
 void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8_on_widened_rows<FmaFp8<decode_fp8_line>>(x, w, y, y_stride);
+  gemm_fp8_on_widened_rows<FmaFp8<decode_fp8_line<>>>(x, w, y, y_stride);
 }
 
 void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

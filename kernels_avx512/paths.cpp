@@ -72,7 +72,9 @@ Paths choose() {
 }
 
 const char* fp8_path(const Paths& p) {
-  if (p.vpermb) return p.vdpbf16ps ? "E4M3 -> bf16 by byte lookups (avx512_vbmi), vdpbf16ps" : "E4M3 -> bf16 by byte lookups (avx512_vbmi), fp32 fma";
+  if (p.vpermb)
+    return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), vdpbf16ps"
+                       : "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma";
   return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, vdpbf16ps" : "E4M3 -> bf16 arithmetically, fp32 fma";
 }
 

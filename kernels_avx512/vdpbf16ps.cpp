@@ -38,7 +38,7 @@ struct DpBf16Tile {
 }  // namespace
 
 void gemm_fp8_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8<DpBf16Fp8<decode_fp8_line>, 4, 2, kDpRows, kDpGroups>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
+  gemm_fp8<DpBf16Fp8<decode_fp8_line<>>, 4, 2, kDpRows, kDpGroups>([&](int i) { return x.row(i); }, x.rows, w, y, y_stride);
 }
 
 void gemm_bf16_vdpbf16ps(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

@@ -25,10 +25,6 @@
 
 KT_NAMESPACE_BEGIN
 
-// Paths whose decode_two(codes, Bits (&lines)[2]) decodes 64 codes (two input pairs of a group) at once.
-template <class P>
-concept DecodesTwoLines = requires(const uint8_t* codes, typename P::Bits (&lines)[2]) { P::decode_two(codes, lines); };
-
 // kFromCodes: the tile reads packed codes, else decoded bf16 lines. kAddToY: y += the tile's
 // product (the later blocks of the stack driver).
 template <class P, bool kFromCodes, bool kAddToY = false>
@@ -42,85 +38,43 @@ struct Fp8Tiles {
   struct Tile {
     static constexpr int kVecs = NV * kVecsPerGroup;
 
-    // Where vector v's line of input pair p starts, among the values and in `store` (see line()).
-    static const uint8_t* value_at(const PackedGroups& w, int v, int p) {
-      const size_t offset = size_t(p) * kGroupRows + (v % kVecsPerGroup) * P::kLanes;  // in pairs
-      return w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kValueBytes;
-    }
-    static bf16_t* store_at(bf16_t* store, size_t store_group_elems, int v, int p) {
-      return store + (v / kVecsPerGroup) * store_group_elems + (size_t(p) * kGroupRows + (v % kVecsPerGroup) * P::kLanes) * 2;
-    }
-
     // Vector v: group v / kVecsPerGroup, rows (v % kVecsPerGroup) * kLanes onwards. With `store`
     // (codes only), the decoded line is also written there in the BF16 layout, store_group_elems
     // bf16 per group.
     static typename P::Line line(const PackedGroups& w, int v, int p, bf16_t* store, size_t store_group_elems) {
-      const uint8_t* at = value_at(w, v, p);
+      const int part = v % kVecsPerGroup;
+      const size_t offset = size_t(p) * kGroupRows + part * P::kLanes;  // in pairs
+      const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kValueBytes;
       if constexpr (kFromCodes) {
-        if (v % kVecsPerGroup == 0) prefetch_weights(w, at);  // one pair of a group: 32 bytes, one prefetch
+        if (part == 0) prefetch_weights(w, at);  // one pair of a group: 32 bytes, one prefetch
         const typename P::Bits bits = P::decode_bits(at);
-        if (store != nullptr) P::store_bits(store_at(store, store_group_elems, v, p), bits);
+        if (store != nullptr) P::store_bits(store + (v / kVecsPerGroup) * store_group_elems + offset * 2, bits);
         return P::line_of(bits);
       } else {
         return P::line_of(P::load_bits(reinterpret_cast<const bf16_t*>(at)));
       }
     }
-
-    static void add_products(const Row* x, int p, const typename P::Line (&lines)[kVecs], Float (&sums)[M][kVecs]) {
-      for (int i = 0; i < M; ++i) {
-        const typename P::Act a = P::act(x[i], p);
-        for (int v = 0; v < kVecs; ++v) sums[i][v] = P::dot(sums[i][v], lines[v], a);
-      }
-    }
-
     static Float scale(const PackedGroups& w, int v, int block) {
       return P::load_ps(reinterpret_cast<const float*>(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes) +
                         block * kGroupRows + (v % kVecsPerGroup) * P::kLanes);
     }
-    // Paths that decode 64 codes at once (one vector a group) take two input pairs per step.
-    static constexpr bool kTwoPairsAtOnce = kFromCodes && DecodesTwoLines<P>;
-    // The lines of input pairs p (lines[0]) and p + 1 (lines[1]); `store` as in line().
-    static void two_lines(const PackedGroups& w, int p, bf16_t* store, size_t store_group_elems,
-                          typename P::Line (&lines)[2][kVecs]) {
-      static_assert(kVecsPerGroup == 1);
-      for (int v = 0; v < kVecs; ++v) {
-        const uint8_t* at = value_at(w, v, p);
-        prefetch_weights(w, at);
-        typename P::Bits bits[2];
-        P::decode_two(at, bits);
-        for (int d = 0; d < 2; ++d) {
-          if (store != nullptr) P::store_bits(store_at(store, store_group_elems, v, p + d), bits[d]);
-          lines[d][v] = P::line_of(bits[d]);
-        }
-      }
-    }
-
     // sums[i][v] = the products of input pairs [p0, p1).
     static void block_sums(const Row* x, const PackedGroups& w, int p0, int p1, Float (&sums)[M][kVecs],
                            bf16_t* store = nullptr) {
       const size_t store_group_elems = size_t(p1 - p0) * 2 * kGroupRows;
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) sums[i][v] = P::set1_ps(0.0f);
-      // Do-while loops (p1 > p0 always): GCC 12 keeps the sums of a loop that may run zero times in
+      // A do-while (p1 > p0 always): GCC 12 keeps the sums of a loop that may run zero times in
       // memory, stored and reloaded around it every block.
-      const auto add_one_pair = [&](int p) {
+      int p = p0;
+      do {
         typename P::Line lines[kVecs];
         for (int v = 0; v < kVecs; ++v) lines[v] = line(w, v, p, store, store_group_elems);
-        add_products(x, p, lines, sums);
-      };
-      int p = p0;
-      if constexpr (kTwoPairsAtOnce) {
-        if (p1 - p0 >= 2) do {
-            typename P::Line lines[2][kVecs];
-            two_lines(w, p, store, store_group_elems, lines);
-            add_products(x, p, lines[0], sums);
-            add_products(x, p + 1, lines[1], sums);
-          } while ((p += 2) + 2 <= p1);
-        if (p < p1) add_one_pair(p);  // an odd last pair
-      } else {
-        do add_one_pair(p);
-        while (++p < p1);
-      }
+        for (int i = 0; i < M; ++i) {
+          const typename P::Act a = P::act(x[i], p);
+          for (int v = 0; v < kVecs; ++v) sums[i][v] = P::dot(sums[i][v], lines[v], a);
+        }
+      } while (++p < p1);
     }
 
     // Every scale block of w.k (the codes, in registers): gemm_tiled's tile.

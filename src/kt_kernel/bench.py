@@ -579,7 +579,7 @@ def format_table(result: dict) -> str:
     lines.append(
         "\n%BW (T <= 8): effective bandwidth (distinct expert weights touched / latency) vs DRAM, the read "
         "bandwidth measured just before the row.\n%peak (T >= 64): vs the measured peak of the instruction "
-        "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it has neither; on AMX hardware, AMX-BF16 "
+        "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it uses neither; on AMX hardware, AMX-BF16 "
         "tdpbf16ps for every format).\ntorch: per-expert "
         "F.linear in bf16 (bf16, mxfp4), torch._weight_int8pack_mm (int8), _weight_int4pack_mm_for_cpu "
         "(int4).\n-i8act: the opt-in int8_activations=True mode (lossy on outlier activations)."
