@@ -46,32 +46,51 @@ bool vdpbf16ps_measures_faster() {
   return best[0] <= best[1];
 }
 
+// Calls of one activation row (decode: every expert's at T = 1, most at T = 8) stay on vdpbf16ps
+// where fp32 FMA measured faster: there each weight line takes one vdpbf16ps but a widening and two
+// FMAs, and the weights stream from DRAM (Xeon VM, qwen3-30b FP8 T = 1: 1.92-1.99 ms against
+// 1.98-2.11 with FMA for every call).
+template <GemmFn OneRow, GemmFn Rows>
+void one_row_or_rows(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  (x.rows == 1 ? OneRow : Rows)(x, w, y, y_stride);
+}
+
 struct Paths {
   bool vdpbf16ps, vpdpbusd, vpermb;
-  bool bf16_measured;  // the CPU has AVX512_BF16 and no variable decided: the faster path was measured
+  bool fma_for_rows;  // vdpbf16ps measured slower than fp32 FMA: calls of several rows take FMA
   Kernels kernels;
 };
 
 Paths choose() {
   const CpuFeatures cpu = detect_cpu_features();
   Paths p;
-  const bool bf16_allowed = cpu.avx512_bf16 && !env_flag("KT_KERNEL_DISABLE_AVX512_BF16");
-  p.bf16_measured = bf16_allowed && !env_flag("KT_KERNEL_FORCE_AVX512_BF16");
-  p.vdpbf16ps = bf16_allowed && (!p.bf16_measured || vdpbf16ps_measures_faster());
+  p.vdpbf16ps = cpu.avx512_bf16 && !env_flag("KT_KERNEL_DISABLE_AVX512_BF16");
+  p.fma_for_rows = p.vdpbf16ps && !env_flag("KT_KERNEL_FORCE_AVX512_BF16") && !vdpbf16ps_measures_faster();
   p.vpdpbusd = cpu.avx512_vnni && !env_flag("KT_KERNEL_DISABLE_AVX512_VNNI");
   p.vpermb = cpu.avx512_vbmi && !env_flag("KT_KERNEL_DISABLE_AVX512_VBMI");
-  p.kernels.bf16 = p.vdpbf16ps ? gemm_bf16_vdpbf16ps : gemm_bf16_fma;
+  if (!p.vdpbf16ps)
+    p.kernels.bf16 = gemm_bf16_fma;
+  else
+    p.kernels.bf16 = p.fma_for_rows ? one_row_or_rows<gemm_bf16_vdpbf16ps, gemm_bf16_fma> : gemm_bf16_vdpbf16ps;
   p.kernels.mxfp4 = p.vpdpbusd ? gemm_mxfp4_vpdpbusd : gemm_mxfp4_maddubs;
   p.kernels.int8 = p.vpdpbusd ? gemm_int8_vpdpbusd : gemm_int8_maddwd;
   p.kernels.int4 = p.vpdpbusd ? gemm_int4_vpdpbusd : gemm_int4_maddubs;
-  if (p.vdpbf16ps)
+  if (!p.vdpbf16ps)
+    p.kernels.fp8 = p.vpermb ? gemm_fp8_fma_vbmi : gemm_fp8_fma;
+  else if (!p.fma_for_rows)
     p.kernels.fp8 = p.vpermb ? gemm_fp8_vdpbf16ps_vbmi : gemm_fp8_vdpbf16ps;
   else
-    p.kernels.fp8 = p.vpermb ? gemm_fp8_fma_vbmi : gemm_fp8_fma;
+    p.kernels.fp8 = p.vpermb ? one_row_or_rows<gemm_fp8_vdpbf16ps_vbmi, gemm_fp8_fma_vbmi>
+                             : one_row_or_rows<gemm_fp8_vdpbf16ps, gemm_fp8_fma>;
   return p;
 }
 
 const char* fp8_path(const Paths& p) {
+  if (p.fma_for_rows)
+    return p.vpermb ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma "
+                      "(measured faster than avx512_bf16 here), avx512_bf16 for one-row calls"
+                    : "E4M3 -> bf16 arithmetically, fp32 fma (measured faster than avx512_bf16 here), avx512_bf16 for "
+                      "one-row calls";
   if (p.vpermb)
     return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), vdpbf16ps"
                        : "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma";
@@ -89,10 +108,10 @@ const Kernels& paths() { return chosen().kernels; }
 
 KernelInfo paths_info() {
   const Paths& p = chosen();
-  const char* bf16 = p.vdpbf16ps      ? (p.bf16_measured ? "avx512_bf16 (vdpbf16ps, measured faster than fp32 fma here)"
-                                                         : "avx512_bf16 (vdpbf16ps)")
-                     : p.bf16_measured ? "avx512f (bf16->fp32, fma: measured faster than avx512_bf16 here)"
-                                       : "avx512f (bf16->fp32, fma)";
+  const char* bf16 = p.fma_for_rows
+                         ? "avx512f (bf16->fp32, fma: measured faster than avx512_bf16 here), avx512_bf16 for one-row calls"
+                     : p.vdpbf16ps ? "avx512_bf16 (vdpbf16ps)"
+                                   : "avx512f (bf16->fp32, fma)";
   return {"avx512", bf16,
           p.vpdpbusd ? "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)"
                      : "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)",
