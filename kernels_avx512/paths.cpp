@@ -20,9 +20,10 @@ bool env_flag(const char* name) {
 
 // Whether vdpbf16ps multiplies bf16 faster than fp32 FMA on widened bf16 on this CPU. Not on every
 // CPU that has it: on a Xeon under KVM (Emerald Rapids class) vdpbf16ps issues at a quarter of the
-// FMA rate, and its BF16 GEMM took 1.3x as long; where it issues at the FMA rate, it does twice the
-// work. So the two BF16 GEMMs are timed on the same problem in cache (24 rows x 64 outputs x 1024
-// inputs, about 40 us each), best of five alternating runs, at the first call.
+// FMA rate, and its BF16 GEMMs took 1.25x (layer, T = 512) to 1.6x (one core, in cache) as long;
+// where it issues at the FMA rate, it does twice the work. So the two BF16 GEMMs are timed on the
+// same problem in cache (24 rows x 64 outputs x 1024 inputs, about 40 us each), best of five
+// alternating runs, at the first call.
 bool vdpbf16ps_measures_faster() {
   constexpr int kRows = 24, kGroups = 4, kInputs = 1024;
   AlignedBuffer<bf16_t> x(size_t(kRows) * kInputs), w(size_t(kGroups) * kGroupRows * kInputs);  // the tiles' aligned loads

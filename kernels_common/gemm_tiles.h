@@ -90,8 +90,8 @@ void gemm_tiled(const Activations& x, const PackedGroups& w, float* y, size_t y_
 
 // The fp32 FMA tiles' activation rows: x's rows widened to fp32 in x.scratch, round_up(k, 2) floats
 // each, once per call (the compiler vectorizes the loop). The tiles then broadcast each activation
-// from memory instead of widening it in every tile (avx512, in cache: a third of their vector
-// instructions). Call it for row i's handle.
+// from memory instead of widening it in every tile (on avx512 a third of their vector instructions).
+// WidenedRows(i) is row i's handle.
 struct WidenedRows {
   const float* base;
   size_t row_elems;
