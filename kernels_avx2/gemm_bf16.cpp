@@ -52,7 +52,7 @@ struct FmaTile {
 #pragma GCC unroll 4
       for (int g = 0; g < NV; ++g) {
         const bf16_t* line = values + g * group_elems + size_t(p) * 2 * kGroupRows;
-        prefetch_weights(w, reinterpret_cast<const uint8_t*>(line));
+        prefetch_weights(w, g, reinterpret_cast<const uint8_t*>(line));
         GroupPair pair;
         for (int h = 0; h < 2; ++h) {
           const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
@@ -114,7 +114,7 @@ struct Fp8ViaF16Tile {
         const __m256 a = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x[0] + 2 * p)));
         for (int g = 0; g < NV; ++g) {
           const uint8_t* codes = w.values + g * w.group_bytes + size_t(p) * 2 * kGroupRows;
-          if (p % 2 == 0) prefetch_weights(w, codes);  // one per 64-byte line
+          if (p % 2 == 0) prefetch_weights(w, g, codes);  // one per 64-byte line
           for (int h = 0; h < 2; ++h) {
             const __m256i f16 = fp16_of_codes(codes + h * kGroupRows);
             sums[g][2 * h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), a, sums[g][2 * h]);

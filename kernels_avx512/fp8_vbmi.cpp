@@ -7,7 +7,7 @@
 // its FMA GEMM after it reported AVX512_VBMI.
 #include <array>
 
-#include "vec.h"
+#include "fp8_lanes.h"
 
 KT_NAMESPACE_BEGIN
 namespace avx512 {
@@ -52,7 +52,7 @@ void gemm_fp8_vdpbf16ps_vbmi(const Activations& x, const PackedGroups& w, float*
 }
 
 void gemm_fp8_fma_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8_on_widened_rows<FmaFp8<decode_fp8_line<decode_fp8_line_vbmi>>>(x, w, y, y_stride);
+  gemm_fp8_on_widened_rows<decode_fp8_line_vbmi>(x, w, y, y_stride);
 }
 
 }  // namespace avx512

@@ -1,6 +1,6 @@
 // AVX512 BF16 GEMM without AVX512_BF16: bf16 widened to fp32, plain AVX512F FMA (the vdpbf16ps
 // path is vdpbf16ps.cpp).
-#include "vec.h"
+#include "fp8_lanes.h"
 
 KT_NAMESPACE_BEGIN
 namespace avx512 {
@@ -19,7 +19,7 @@ struct FmaTile {
       __m512 w_even[NV], w_odd[NV];
       for (int j = 0; j < NV; ++j) {
         const bf16_t* line_start = values + j * group_elems + size_t(p) * 2 * kGroupRows;
-        prefetch_weights(w, reinterpret_cast<const uint8_t*>(line_start));
+        prefetch_weights(w, j, reinterpret_cast<const uint8_t*>(line_start));
         const __m512i line = _mm512_load_si512(line_start);
         w_even[j] = even_bf16(line);
         w_odd[j] = odd_bf16(line);
@@ -40,7 +40,7 @@ struct FmaTile {
 }  // namespace
 
 void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8_on_widened_rows<FmaFp8<decode_fp8_line<>>>(x, w, y, y_stride);
+  gemm_fp8_on_widened_rows<decode_fp8_line_exact>(x, w, y, y_stride);
 }
 
 void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

@@ -80,22 +80,20 @@ Paths choose() {
     p.kernels.fp8 = p.vpermb ? gemm_fp8_fma_vbmi : gemm_fp8_fma;
   else if (!p.fma_for_rows)
     p.kernels.fp8 = p.vpermb ? gemm_fp8_vdpbf16ps_vbmi : gemm_fp8_vdpbf16ps;
-  else
-    p.kernels.fp8 = p.vpermb ? one_row_or_rows<gemm_fp8_vdpbf16ps_vbmi, gemm_fp8_fma_vbmi>
-                             : one_row_or_rows<gemm_fp8_vdpbf16ps, gemm_fp8_fma>;
+  else  // the FMA GEMM's few-row tiles decode faster than vdpbf16ps's (fp8_lanes.h)
+    p.kernels.fp8 = p.vpermb ? gemm_fp8_fma_vbmi : gemm_fp8_fma;
   return p;
 }
 
 const char* fp8_path(const Paths& p) {
   if (p.fma_for_rows)
-    return p.vpermb ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma "
-                      "(measured faster than avx512_bf16 here), avx512_bf16 for one-row calls"
-                    : "E4M3 -> bf16 arithmetically, fp32 fma (measured faster than avx512_bf16 here), avx512_bf16 for "
-                      "one-row calls";
+    return p.vpermb ? "E4M3 -> fp32 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma "
+                      "(measured faster than avx512_bf16 here)"
+                    : "E4M3 -> fp32 arithmetically, fp32 fma (measured faster than avx512_bf16 here)";
   if (p.vpermb)
     return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), vdpbf16ps"
-                       : "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma";
-  return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, vdpbf16ps" : "E4M3 -> bf16 arithmetically, fp32 fma";
+                       : "E4M3 -> fp32 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma";
+  return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, vdpbf16ps" : "E4M3 -> fp32 arithmetically, fp32 fma";
 }
 
 const Paths& chosen() {

@@ -22,7 +22,7 @@ struct DpBf16Tile {
       __m512bh wv[NV];
       for (int j = 0; j < NV; ++j) {
         const bf16_t* line = values + j * group_elems + size_t(p) * 2 * kGroupRows;
-        prefetch_weights(w, reinterpret_cast<const uint8_t*>(line));
+        prefetch_weights(w, j, reinterpret_cast<const uint8_t*>(line));
         wv[j] = (__m512bh)_mm512_load_si512(line);
       }
       for (int i = 0; i < M; ++i) {

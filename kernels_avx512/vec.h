@@ -155,11 +155,5 @@ struct FmaFp8 : Vec {
 // The fp32 FMA tiles (gemm_bf16.cpp): rows x 16-column groups of zmm accumulators.
 constexpr int kFmaRows = 4, kFmaGroups = 4;  // 16 accumulators + 8 decoded weight vectors
 
-// The FP8 GEMM of path P on fp32 FMA: on x's rows widened.
-template <class P>
-void gemm_fp8_on_widened_rows(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8<P, 4, 2, kFmaRows, kFmaGroups>(widen_rows(x, w.k), x.rows, w, y, y_stride);
-}
-
 }  // namespace avx512
 KT_NAMESPACE_END

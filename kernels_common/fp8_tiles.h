@@ -46,7 +46,7 @@ struct Fp8Tiles {
       const size_t offset = size_t(p) * kGroupRows + part * P::kLanes;  // in pairs
       const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kValueBytes;
       if constexpr (kFromCodes) {
-        if (part == 0) prefetch_weights(w, at);  // one pair of a group: 32 bytes, one prefetch
+        if (part == 0) prefetch_weights(w, v / kVecsPerGroup, at);  // one pair of a group: 32 bytes, one prefetch
         const typename P::Bits bits = P::decode_bits(at);
         if (store != nullptr) P::store_bits(store + (v / kVecsPerGroup) * store_group_elems + offset * 2, bits);
         return P::line_of(bits);

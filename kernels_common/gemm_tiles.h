@@ -24,12 +24,35 @@ constexpr int kWeightPrefetchBytes = 4096;
 // into L2 where one pass reads them once (decode): there 64 lines ahead per stream and up to eight
 // streams per tile hold more misses than L1 can track, and the demand loads wait behind them
 // (Zen 4, 2 threads, qwen3-30b: INT4 T = 8 9.0-10.0 -> 5.5-6.5 ms; avx2 BF16 prefill about 10 % slower
-// with L2 prefetches).
-inline void prefetch_weights(const PackedGroups& w, const uint8_t* line) {
-  if (w.l2_prefetch_distance == 0)
-    _mm_prefetch(reinterpret_cast<const char*>(line + kWeightPrefetchBytes), _MM_HINT_T0);
-  else
-    _mm_prefetch(reinterpret_cast<const char*>(line + w.l2_prefetch_distance), _MM_HINT_T1);
+// with L2 prefetches). `line` is in group `group` of w; gemm_tiled sets where the prefetches go.
+inline void prefetch_weights(const PackedGroups& w, int group, const uint8_t* line) {
+  // Volatile asm, not _mm_prefetch: GCC 12 deleted the tiles' prefetches (both kinds) when this
+  // function chose between the two by a branch.
+  if (w.prefetch_to_l1) {
+    asm volatile("prefetcht0 %0" : : "m"(line[kWeightPrefetchBytes]));
+    return;
+  }
+  const size_t in_group = size_t(line - w.values) - size_t(group) * w.group_bytes;
+  const ptrdiff_t distance = in_group < w.far_from ? ptrdiff_t(kWeightPrefetchBytes) : w.far_distance;
+  asm volatile("prefetcht1 %0" : : "m"(line[distance]));
+}
+
+// The weights of one pass, read once (decode): 4 KiB ahead into L2, and from 4 KiB before the end
+// of a group on into the start of the same group of `next`, the groups read after these (null:
+// none known), so that no stream starts cold: a decode's pass reads only 12-32 KiB per stream
+// (Xeon VM, qwen3-30b, 2 threads, T = 1: FP8 1.63-1.67 -> 1.52-1.58 ms, MXFP4 1.04-1.07 -> 0.91-0.95).
+inline void prefetch_one_pass(PackedGroups& w, const uint8_t* next) {
+  w.prefetch_to_l1 = false;
+  w.far_from = w.group_bytes - std::min<size_t>(w.group_bytes, kWeightPrefetchBytes);
+  w.far_distance = next == nullptr ? ptrdiff_t(kWeightPrefetchBytes)
+                                   : next - w.values + kWeightPrefetchBytes - ptrdiff_t(w.group_bytes);
+}
+
+// Each line's place in other weights, `distance` bytes on, into L2.
+inline void prefetch_elsewhere(PackedGroups& w, ptrdiff_t distance) {
+  w.prefetch_to_l1 = false;
+  w.far_from = 0;
+  w.far_distance = distance;
 }
 
 // x_rows: M activation row handles (const bf16_t*, const float* where a kernel widens rows first,
@@ -61,18 +84,15 @@ void gemm_tiled(RowOf row_of, int m, const PackedGroups& w, float* y, size_t y_s
     const int blocks = ceil_div(m, MaxM);
     for (int b = 0, i0 = 0; b < blocks; ++b) {
       const int mm = ceil_div(m - i0, blocks - b);
-      // The first pass streams these weights from DRAM; the second, from cache, pulls the same
-      // lines of the next call's weights into L2 instead, so its first pass need not wait on DRAM.
-      // A single pass (decode) reads them once. A tile of several groups reads as many streams at
-      // once: it pulls the next call's lines into L2, a whole call ahead, so that call's
-      // multiply-adds find them there (avx512 INT4, one core, qwen3-30b T=1 order of calls: 1.09-1.13
-      // -> 0.99-1.05 ms; its own lines 4 KiB ahead as well gained nothing more). A tile of one group
-      // reads one stream, 4 KiB ahead, which the hardware prefetcher keeps up with (avx2 INT4 T=1
-      // with the pull: about 10 % slower).
-      const bool pulls_next = w.next_values != nullptr && (blocks == 1 ? NV > 1 : b == 1);
-      block.l2_prefetch_distance = pulls_next    ? w.next_values - w.values
-                                   : blocks == 1 ? kWeightPrefetchBytes
-                                                 : 0;
+      // A single pass (decode) reads these weights once. Of several, the first streams them from
+      // DRAM; the second, from cache, pulls the same lines of the next call's weights into L2
+      // instead, so that its first pass need not wait on DRAM.
+      if (blocks == 1)
+        prefetch_one_pass(block, g0 + NV < w.groups ? block.values + size_t(NV) * w.group_bytes : w.next_values);
+      else if (b == 1 && w.next_values != nullptr)
+        prefetch_elsewhere(block, w.next_values - w.values);
+      else
+        block.prefetch_to_l1 = true;
       Row rows[MaxM];
       for (int i = 0; i < mm; ++i) rows[i] = row_of(i0 + i);
       TileTable<Tile, MaxM, NV, Row>::table[(mm - 1) * NV + (nv - 1)](rows, block,

@@ -79,7 +79,7 @@ struct IntTiles {
       for (int j = 0; j < round_up(w.k, 4) / 4; ++j) {
         typename Dot::Weights wv[kVecs];
         for (int v = 0; v < kVecs; ++v) {
-          prefetch_weights(w, line(w, v, j));
+          prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
           wv[v] = Dot::weights(V::load(line(w, v, j)));
         }
         for (int i = 0; i < M; ++i) {
@@ -119,7 +119,7 @@ struct IntTiles {
         do {
           typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8c..8c+3 and 8c+4..8c+7
           for (int v = 0; v < kVecs; ++v) {
-            prefetch_weights(w, line(w, v, c));
+            prefetch_weights(w, v / kVecsPerGroup, line(w, v, c));
             const Int raw = V::load(line(w, v, c));
             low[v] = Dot::weights(FourBit::values(V::and_(raw, low_nibbles)));
             high[v] = Dot::weights(FourBit::values(V::and_(V::srli_epi32(raw, 4), low_nibbles)));

@@ -96,3 +96,16 @@ def test_model_mode_refuses_bad_options(options, message, capsys):
         sys.exit(kt_main(["bench", *options]))
     assert exit_info.value.code == 2
     assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_model_mode_fp8_weights_are_normal_codes():
+    """The model mode's random FP8 weights are the codes real weights nearly all are: no zero or
+    subnormal code (the kernels decode lines holding one by a slower path) and no NaN."""
+    import torch
+
+    from kt_kernel import formats
+
+    codes = formats.get("fp8").random_values((64, 4096), torch.Generator().manual_seed(0))
+    assert not ((codes & 0x78) == 0).any()
+    assert not ((codes & 0x7F) == 0x7F).any()
+    assert len(codes.unique()) == 254 - 16  # every other code occurs

@@ -40,10 +40,13 @@ def assert_matches_fp64(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     assert torch.all(err <= bound), f"max excess {(err - bound).max().item():.3g}"
 
 
-# (tokens, n, k, per_block): n tails, odd k (per channel), 128-input blocks, tokens 1 to 600.
+# (tokens, n, k, per_block): n tails, odd k (per channel), an odd count of input pairs (the few-row
+# tiles read two pairs at a time), 128-input blocks, tokens 1 to 600.
 CASES = [
     (1, 16, 128, True),
     (1, 1, 7, False),
+    (2, 17, 130, False),
+    (4, 33, 6, False),
     (3, 33, 7168, True),
     (5, 17, 130, False),
     (13, 40, 384, True),

@@ -96,11 +96,13 @@ struct PackedGroups {
   const uint8_t* zeros = nullptr;
   size_t group_zero_bytes = 0;
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
-  // tiles pull them into L2 while they read these (gemm_tiled).
+  // tiles' prefetches run on into them (gemm_tiled).
   const uint8_t* next_values = nullptr;
-  // Set by gemm_tiled, read by prefetch_weights: 0 = prefetch this run 4 KiB ahead into L1, else
-  // prefetch the line this many bytes away into L2 (this run 4 KiB ahead, or next_values).
-  ptrdiff_t l2_prefetch_distance = 0;
+  // Set by gemm_tiled, read by prefetch_weights (gemm_tiles.h): prefetch each line 4 KiB ahead into
+  // L1, or into L2: 4 KiB ahead up to far_from bytes into its group, far_distance bytes on after.
+  bool prefetch_to_l1 = true;
+  size_t far_from = 0;
+  ptrdiff_t far_distance = 0;
 };
 
 // ---- BF16 -----------------------------------------------------------------------------------
