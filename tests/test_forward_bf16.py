@@ -51,6 +51,30 @@ def test_forced_build_is_the_one_loaded():
         assert path.startswith("avx2"), path
 
 
+def test_bf16_multiply_follows_the_cpu_vendor():
+    """The avx512 build multiplies bf16 rows with fp32 FMA on Intel CPUs that have AVX512_BF16 and
+    with vdpbf16ps on others: a fixed rule, not a timing, so that every process computes the same
+    result for the same input."""
+    from conftest import HOST_FLAGS
+
+    if kt_kernel.__cpu_variant__ != "avx512" or "avx512_bf16" not in HOST_FLAGS:
+        pytest.skip("the rule picks between the avx512 build's two bf16 paths: needs it and AVX512_BF16")
+    if any(os.environ.get(f"KT_KERNEL_{v}_AVX512_BF16") == "1" for v in ("FORCE", "DISABLE")):
+        pytest.skip("a variable overrides the rule in this run")
+    vendor = next(
+        line.split(":", 1)[1].strip()
+        for line in open("/proc/cpuinfo").read().splitlines()
+        if line.startswith("vendor_id")
+    )
+    paths = kt_kernel.cpu_info()["kernels"]
+    if vendor == "GenuineIntel":
+        assert paths["bf16_path"].startswith("avx512f (bf16->fp32, fma"), paths["bf16_path"]
+        assert "fp32 fma" in paths["fp8_path"], paths["fp8_path"]
+    else:
+        assert paths["bf16_path"] == "avx512_bf16 (vdpbf16ps)", paths["bf16_path"]
+        assert "vdpbf16ps" in paths["fp8_path"], paths["fp8_path"]
+
+
 # (experts, top_k, hidden, intermediate, tokens): odd sizes that are not multiples of the
 # kernel blocks (16-row groups, 64-row tasks, 6/4/2-row register tiles), odd hidden sizes too.
 SHAPES = [

@@ -41,6 +41,8 @@ constexpr int kXfeatureXtiledata = 18;
 
 CpuFeatures detect_cpu_features() {
   CpuFeatures f;
+  const CpuidRegs leaf0 = cpuid(0, 0);
+  f.intel = leaf0.ebx == 0x756E6547 && leaf0.edx == 0x49656E69 && leaf0.ecx == 0x6C65746E;  // "Genu" "ineI" "ntel"
   const CpuidRegs leaf1 = cpuid(1, 0);
   const bool osxsave = bit(leaf1.ecx, 27);
   const uint64_t xcr0 = osxsave ? read_xcr0() : 0;

@@ -13,6 +13,7 @@ struct CpuFeatures {
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false, avx512_vnni = false, avx512_vbmi = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
+  bool intel = false;  // CPUID vendor GenuineIntel
 };
 
 // Flags are reported only where the OS also saves the registers they need (XCR0).
