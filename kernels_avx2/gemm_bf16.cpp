@@ -86,56 +86,63 @@ struct FmaFp8 : Vec {
   }
 };
 
-// FP8, one activation row (decode): the codes of a pair of inputs go to fp16 by shifts alone and to
-// fp32 by F16C. Exact for every code, zero and subnormals included: E4M3 bits moved up 7 places
-// are the fp16 of the value / 256 (both formats have their subnormals at exponent field 0). So 16
-// weights take 6 instructions to fp32 and no line needs checking; the bf16 route takes 6 too, plus a
-// 3-instruction check that sends lines with a zero or subnormal code to a slow exact decoder. Each
-// sum's lanes are (row, input of the pair); a scale block adds the two, then scales.
+// FP8, one or two activation rows (decode): the codes of a pair of inputs go to fp16 by shifts
+// alone and to fp32 by F16C. Exact for every code, zero and subnormals included: E4M3 bits moved up
+// 7 places are the fp16 of the value / 256 (both formats have their subnormals at exponent field
+// 0). So 16 weights take 6 instructions to fp32 and no line needs checking; the bf16 route takes 6
+// too, plus a 3-instruction check that sends lines with a zero or subnormal code to a slow exact
+// decoder. Each sum's lanes are (row, input of the pair); a scale block adds the two, then scales.
 template <int M, int NV>
 struct Fp8ViaF16Tile {
-  static_assert(M == 1, "one activation row");
   static __m256i fp16_of_codes(const uint8_t* codes) {  // 16 codes -> 16 fp16 of the value / 256
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
     const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7);
     return _mm256_and_si256(shifted, _mm256_set1_epi16(int16_t(0xBFFF)));  // clears the sign's copy in bit 14
   }
   static void run(const float* const* x, const PackedGroups& w, float* y, size_t y_stride) {
-    (void)y_stride;
     const int pairs = round_up(w.k, 2) / 2;
     const int block_pairs = w.scale_group > 0 ? w.scale_group / 2 : pairs;
-    __m256 acc[NV][2];  // rows 0-7 and 8-15 of each group
-    for (int g = 0; g < NV; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    __m256 acc[M][NV][2];  // rows 0-7 and 8-15 of each group
+    for (int i = 0; i < M; ++i)
+      for (int g = 0; g < NV; ++g) acc[i][g][0] = acc[i][g][1] = _mm256_setzero_ps();
     for (int p0 = 0, block = 0; p0 < pairs; p0 += block_pairs, ++block) {
-      __m256 sums[NV][4];  // rows 0-3, 4-7, 8-11, 12-15; lanes: row r's even input, its odd input, ...
-      for (int g = 0; g < NV; ++g)
-        for (int q = 0; q < 4; ++q) sums[g][q] = _mm256_setzero_ps();
+      __m256 sums[M][NV][4];  // rows 0-3, 4-7, 8-11, 12-15; lanes: row r's even input, its odd input, ...
+      for (int i = 0; i < M; ++i)
+        for (int g = 0; g < NV; ++g)
+          for (int q = 0; q < 4; ++q) sums[i][g][q] = _mm256_setzero_ps();
       for (int p = p0; p < std::min(pairs, p0 + block_pairs); ++p) {
-        const __m256 a = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x[0] + 2 * p)));
+        __m256 a[M];
+        for (int i = 0; i < M; ++i)
+          a[i] = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x[i] + 2 * p)));
         for (int g = 0; g < NV; ++g) {
           const uint8_t* codes = w.values + g * w.group_bytes + size_t(p) * 2 * kGroupRows;
           if (p % 2 == 0) prefetch_weights(w, g, codes);  // one per 64-byte line
           for (int h = 0; h < 2; ++h) {
             const __m256i f16 = fp16_of_codes(codes + h * kGroupRows);
-            sums[g][2 * h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), a, sums[g][2 * h]);
+            const __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(f16));
             const __m256 high = _mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1));
-            sums[g][2 * h + 1] = _mm256_fmadd_ps(high, a, sums[g][2 * h + 1]);
+            for (int i = 0; i < M; ++i) {
+              sums[i][g][2 * h] = _mm256_fmadd_ps(low, a[i], sums[i][g][2 * h]);
+              sums[i][g][2 * h + 1] = _mm256_fmadd_ps(high, a[i], sums[i][g][2 * h + 1]);
+            }
           }
         }
       }
       for (int g = 0; g < NV; ++g) {
         const float* scales = reinterpret_cast<const float*>(w.scales + g * w.group_scale_bytes) + block * kGroupRows;
-        for (int h = 0; h < 2; ++h) {
-          // hadd gives rows 0 1 4 5 | 2 3 6 7 (of these eight); the 64-bit permute puts them in order.
-          const __m256 rows = _mm256_castpd_ps(
-              _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(sums[g][2 * h], sums[g][2 * h + 1])), 0xD8));
-          acc[g][h] = _mm256_fmadd_ps(rows, _mm256_loadu_ps(scales + 8 * h), acc[g][h]);
-        }
+        for (int i = 0; i < M; ++i)
+          for (int h = 0; h < 2; ++h) {
+            // hadd gives rows 0 1 4 5 | 2 3 6 7 (of these eight); the 64-bit permute puts them in order.
+            const __m256 rows = _mm256_castpd_ps(_mm256_permute4x64_pd(
+                _mm256_castps_pd(_mm256_hadd_ps(sums[i][g][2 * h], sums[i][g][2 * h + 1])), 0xD8));
+            acc[i][g][h] = _mm256_fmadd_ps(rows, _mm256_loadu_ps(scales + 8 * h), acc[i][g][h]);
+          }
       }
     }
-    for (int g = 0; g < NV; ++g)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_ps(y + g * kGroupRows + 8 * h, _mm256_mul_ps(acc[g][h], _mm256_set1_ps(256.0f)));
+    for (int i = 0; i < M; ++i)
+      for (int g = 0; g < NV; ++g)
+        for (int h = 0; h < 2; ++h)
+          _mm256_storeu_ps(y + i * y_stride + g * kGroupRows + 8 * h, _mm256_mul_ps(acc[i][g][h], _mm256_set1_ps(256.0f)));
   }
 };
 
@@ -143,10 +150,12 @@ struct Fp8ViaF16Tile {
 
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   const WidenedRows row = widen_rows(x, w.k);
-  // One row: 1 x 2 tiles, eight sums. More rows: the stack, where each code is decoded once per tile
-  // of rows and read back as bf16.
+  // One row: 1 x 2 tiles, eight sums; two: 2 x 1 tiles. More rows: the stack, where each code is
+  // decoded once per tile of rows and read back as bf16.
   if (x.rows == 1)
     gemm_tiled<Fp8ViaF16Tile, 1, 2, const float*>(row, x.rows, w, y, y_stride);
+  else if (x.rows == 2)
+    gemm_tiled<Fp8ViaF16Tile, 2, 1, const float*>(row, x.rows, w, y, y_stride);
   else
     gemm_fp8_decoded<FmaFp8, 4, 1>(row, x.rows, w, y, y_stride);
 }
