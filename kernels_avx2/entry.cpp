@@ -14,7 +14,7 @@ void init_kernels() {}
 KernelInfo kernel_info() {
   return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1 -> integers by vpshufb, int8 activations, vpmaddubsw)",
           "avx2 (vpmaddwd / vpmaddubsw)",
-          "avx2 (one row: E4M3 -> fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)"};
+          "avx2 (one or two rows: E4M3 -> fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)"};
 }
 
 KT_NAMESPACE_END

@@ -19,9 +19,9 @@ bool env_flag(const char* name) {
 // Intel CPUs. On a Xeon VM of the Emerald Rapids class vdpbf16ps issues at a quarter of the FMA
 // rate, so it does half FMA's work per second, and its BF16 GEMMs took 1.25x (layer, T = 512) to
 // 1.6x (one core, in cache) as long. Other CPUs keep vdpbf16ps (the Zen 4 VM's figures were
-// measured with it). A CPUID rule, not a timing:
-// timing both at the first call chose differently in 2 of 8 processes pinned to one CPU with four
-// workers, and the two paths round differently, so the same input gave two results.
+// measured with it). A CPUID rule, not a timing: timing both at the first call chose differently in
+// 2 of 8 processes pinned to one CPU with four workers, and the two paths round differently, so the
+// same input gave two results.
 bool fma_beats_vdpbf16ps(const CpuFeatures& cpu) { return cpu.intel; }
 
 // BF16 calls of one activation row (decode: every expert's at T = 1, most at T = 8) stay on
@@ -62,13 +62,15 @@ Paths choose() {
 
 const char* fp8_path(const Paths& p) {
   if (p.fma_for_rows)
-    return p.vpermb ? "E4M3 -> fp32 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma "
-                      "(faster than avx512_bf16 on Intel CPUs)"
-                    : "E4M3 -> fp32 arithmetically, fp32 fma (faster than avx512_bf16 on Intel CPUs)";
+    return p.vpermb ? "E4M3 -> fp32 (up to 4 rows) or bf16 arithmetically (byte lookups, avx512_vbmi, for zero and "
+                      "subnormal codes), fp32 fma (faster than avx512_bf16 on Intel CPUs)"
+                    : "E4M3 -> fp32 (up to 4 rows) or bf16 arithmetically, fp32 fma (faster than avx512_bf16 on Intel CPUs)";
   if (p.vpermb)
     return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), vdpbf16ps"
-                       : "E4M3 -> fp32 arithmetically (byte lookups, avx512_vbmi, for zero and subnormal codes), fp32 fma";
-  return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, vdpbf16ps" : "E4M3 -> fp32 arithmetically, fp32 fma";
+                       : "E4M3 -> fp32 (up to 4 rows) or bf16 arithmetically (byte lookups, avx512_vbmi, for zero and "
+                         "subnormal codes), fp32 fma";
+  return p.vdpbf16ps ? "E4M3 -> bf16 arithmetically, vdpbf16ps"
+                     : "E4M3 -> fp32 (up to 4 rows) or bf16 arithmetically, fp32 fma";
 }
 
 const Paths& chosen() {
