@@ -1,7 +1,7 @@
 // The FP8 GEMM on fp32 FMA (gemm_bf16.cpp, fp8_vbmi.cpp). Calls of a few rows (decode) decode the
 // codes in place, four weights per 32-bit lane, without the byte-to-word widening of
 // decode_fp8_line: that widening is a shuffle, and on the Xeon VM this CPU's one 512-bit shuffle
-// port bound the decode (one core, qwen3-30b rows from DRAM, T = 1: 17 -> 21 Gweights/s).
+// port bound the decode (one core, a one-row GEMV with K = 2,048 over 128 MiB: 17 -> 21 Gweights/s).
 //
 // A 64-byte load holds input pairs p and p + 1 of a group (kernels.h): lane l (0-15) holds rows
 // 2(l % 8) and 2(l % 8) + 1 at inputs 2p' and 2p' + 1, p' = p + l / 8, one byte each (row-major).
