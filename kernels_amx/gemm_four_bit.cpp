@@ -84,7 +84,7 @@ void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t
           }
         }
         for (int r = 0; r < kBlockRows; ++r) {
-          const V::Float x_scale = V::set1_ps(x.quantized_row(i + r).scale);
+          const V::Float x_scale = V::set1_ps(x.quantized_row(i + r).scale * FourBit::kValueScale);
           for (int h = 0; h < kBlockGroups; ++h)
             V::storeu_ps(y + size_t(i + r) * y_stride + (g + h) * kGroupRows,
                          V::mul(V::loadu_ps(&acc[r][h * kGroupRows]), x_scale));

@@ -18,10 +18,12 @@ KT_NAMESPACE_BEGIN
 
 // INT4: the nibbles are q + 8 already; one float scale per G inputs per row. A 4-bit format gives:
 // kOffset (added to each value to make it unsigned), values(nibbles) (-> u8 values + kOffset),
-// inputs_per_scale(w), scale(group_scales, s, first_row) (the kLanes rows' scales of group s).
+// kValueScale (what one unit of those values is worth), inputs_per_scale(w),
+// scale(group_scales, s, first_row) (the kLanes rows' scales of group s).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset;
+  static constexpr float kValueScale = 1.0f;
   static typename V::Int values(typename V::Int nibbles) { return nibbles; }
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
@@ -30,20 +32,25 @@ struct Int4Format {
 };
 
 // MXFP4: twice an E2M1 value is an integer in -12..12, so one byte lookup turns a code into the u8
-// 2v + 12, and each 32-input block's sum is scaled by its E8M0 power of two, halved (exact). The
+// 2v + 12, and each 32-input block's sum is scaled by its E8M0 power of two (the halving is applied
+// once, to the result: exact). The
 // activations arrive in the packed layout's octet order (kernels.h), so the words are read as they are.
 template <class V>
 struct Mxfp4Format {
   static constexpr int kOffset = 12;
+  static constexpr float kValueScale = 0.5f;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
   static typename V::Int values(typename V::Int codes) { return V::lookup16(kValues, codes); }
   static int inputs_per_scale(const PackedGroups&) { return kMxfp4Block; }
   static typename V::Float scale(const uint8_t* group_scales, int block, int first_row) {
-    return V::mul(V::e8m0_to_float(group_scales + block * kGroupRows + first_row), V::set1_ps(0.5f));
+    return V::e8m0_to_float(group_scales + block * kGroupRows + first_row);
   }
 };
 
+// Every loop over a tile's rows is unrolled (KT_UNROLL): where GCC 12 kept one rolled, it held the
+// accumulators in memory and stored each of them to the stack on every step of the inner loop (avx512,
+// one core, 768 x 2048 in cache, 32 rows: INT8 260 -> 740 GOP/s, INT4 380 -> 510).
 template <class V, class Dot, class FourBit = Int4Format<V>>
 struct IntTiles {
   using Int = typename V::Int;
@@ -74,6 +81,7 @@ struct IntTiles {
     static constexpr int kVecs = NV * kVecsPerGroup;
     static void run(const QuantizedRow* x, const PackedGroups& w, float* y, size_t y_stride) {
       Int acc[M][kVecs];
+      KT_UNROLL
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1(0);
       for (int j = 0; j < round_up(w.k, 4) / 4; ++j) {
@@ -82,11 +90,13 @@ struct IntTiles {
           prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
           wv[v] = Dot::weights(V::load(line(w, v, j)));
         }
+        KT_UNROLL
         for (int i = 0; i < M; ++i) {
           const typename Dot::Act a = Dot::activation(x[i].values, j);
           for (int v = 0; v < kVecs; ++v) acc[i][v] = Dot::dot(acc[i][v], wv[v], a);
         }
       }
+      KT_UNROLL
       for (int i = 0; i < M; ++i) {
         const Int offset = V::set1(kInt8Offset * quantized_sum(x[i], 0, round_up(w.k, kActivationBlock)));
         const Float x_scale = V::set1_ps(x[i].scale);
@@ -106,12 +116,22 @@ struct IntTiles {
       const Int low_nibbles = V::set1(kLowNibbles);
       const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
       Float acc[M][kVecs];
+      KT_UNROLL
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1_ps(0.0f);
       for (int s = 0; s < w.k / inputs_per_scale; ++s) {
-        Int part[M][kVecs];  // this scale group's integer sums
-        for (int i = 0; i < M; ++i)
-          for (int v = 0; v < kVecs; ++v) part[i][v] = V::set1(0);
+        // This scale group's integer sums, started at minus the weight offset times sum(x).
+        Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
+        if (w.zeros != nullptr)
+          for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
+        Int part[M][kVecs];
+        KT_UNROLL
+        for (int i = 0; i < M; ++i) {
+          const int32_t sum = quantized_sum(x[i], s * inputs_per_scale, inputs_per_scale);
+          const Int offset = V::set1(-FourBit::kOffset * sum);
+          for (int v = 0; v < kVecs; ++v)
+            part[i][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(-sum)) : offset;
+        }
         // A do-while (a scale group holds at least one line): GCC 12 keeps the sums of a loop that
         // may run zero times in memory, stored and reloaded around it (avx512, one core, in cache:
         // INT4 +6 %).
@@ -124,27 +144,22 @@ struct IntTiles {
             low[v] = Dot::weights(FourBit::values(V::and_(raw, low_nibbles)));
             high[v] = Dot::weights(FourBit::values(V::and_(V::srli_epi32(raw, 4), low_nibbles)));
           }
+          KT_UNROLL
           for (int i = 0; i < M; ++i) {
             const typename Dot::Act a_low = Dot::activation(x[i].values, 2 * c);
             const typename Dot::Act a_high = Dot::activation(x[i].values, 2 * c + 1);
             for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot2(part[i][v], low[v], a_low, high[v], a_high);
           }
         } while (++c < (s + 1) * lines_per_scale);
-        Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
-        if (w.zeros != nullptr)
-          for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
-        for (int i = 0; i < M; ++i) {
-          const int32_t sum = quantized_sum(x[i], s * inputs_per_scale, inputs_per_scale);
-          const Int offset = V::set1(FourBit::kOffset * sum);
-          for (int v = 0; v < kVecs; ++v) {
-            const Int zero = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(sum)) : offset;
-            acc[i][v] = V::fmadd(V::to_float(V::sub_epi32(part[i][v], zero)), four_bit_scale(w, v, s), acc[i][v]);
-          }
-        }
+        KT_UNROLL
+        for (int i = 0; i < M; ++i)
+          for (int v = 0; v < kVecs; ++v)
+            acc[i][v] = V::fmadd(V::to_float(part[i][v]), four_bit_scale(w, v, s), acc[i][v]);
       }
+      KT_UNROLL
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v)
-          V::storeu_ps(y + i * y_stride + v * V::kLanes, V::mul(acc[i][v], V::set1_ps(x[i].scale)));
+          V::storeu_ps(y + i * y_stride + v * V::kLanes, V::mul(acc[i][v], V::set1_ps(x[i].scale * FourBit::kValueScale)));
     }
   };
 };
