@@ -30,9 +30,9 @@ void widen_group(const uint8_t* lines, int k, uint8_t* quads) {
   const V::Int low_nibbles = V::set1(kLowNibbles);
   for (int c = 0; c < k / 8; ++c) {
     const V::Int raw = V::load(lines + size_t(c) * kLineBytes);
-    _mm512_storeu_si512(quads + size_t(2 * c) * kLineBytes, FourBit::values(V::and_(raw, low_nibbles)));
+    _mm512_storeu_si512(quads + size_t(2 * c) * kLineBytes, FourBit::low_values(raw, low_nibbles));
     _mm512_storeu_si512(quads + size_t(2 * c + 1) * kLineBytes,
-                        FourBit::values(V::and_(V::srli_epi32(raw, 4), low_nibbles)));
+                        FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
   }
 }
 

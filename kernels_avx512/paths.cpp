@@ -50,7 +50,10 @@ Paths choose() {
     p.kernels.bf16 = gemm_bf16_fma;
   else
     p.kernels.bf16 = p.fma_for_rows ? one_row_or_rows<gemm_bf16_vdpbf16ps, gemm_bf16_fma> : gemm_bf16_vdpbf16ps;
-  p.kernels.mxfp4 = p.vpdpbusd ? gemm_mxfp4_vpdpbusd : gemm_mxfp4_maddubs;
+  if (p.vpdpbusd)
+    p.kernels.mxfp4 = p.vpermb ? gemm_mxfp4_vpdpbusd_vbmi : gemm_mxfp4_vpdpbusd;
+  else
+    p.kernels.mxfp4 = gemm_mxfp4_maddubs;
   p.kernels.int8 = p.vpdpbusd ? gemm_int8_vpdpbusd : gemm_int8_maddwd;
   p.kernels.int4 = p.vpdpbusd ? gemm_int4_vpdpbusd : gemm_int4_maddubs;
   if (p.vdpbf16ps && !p.fma_for_rows)
@@ -89,8 +92,9 @@ KernelInfo paths_info() {
                      : p.vdpbf16ps ? "avx512_bf16 (vdpbf16ps)"
                                    : "avx512f (bf16->fp32, fma)";
   return {"avx512", bf16,
-          p.vpdpbusd ? "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)"
-                     : "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)",
+          !p.vpdpbusd ? "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)"
+          : p.vpermb  ? "E2M1 -> integers by vpermb (avx512_vbmi), int8 activations, avx512_vnni (vpdpbusd)"
+                      : "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)",
           p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)",
           fp8_path(p)};
 }

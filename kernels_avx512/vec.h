@@ -38,6 +38,8 @@ double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+// MXFP4 codes looked up by vpermb, in mxfp4_vbmi.cpp (-mavx512vnni -mavx512vbmi).
+void gemm_mxfp4_vpdpbusd_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbusd_peak_probe(int64_t iterations);  // integer ops done
 
 

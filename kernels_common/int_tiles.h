@@ -24,7 +24,7 @@ template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset;
   static constexpr float kValueScale = 1.0f;
-  static typename V::Int values(typename V::Int nibbles) { return nibbles; }
+  static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) { return V::and_(bytes, low_nibbles); }
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
     return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGroupRows + first_row);
@@ -41,7 +41,9 @@ struct Mxfp4Format {
   static constexpr float kValueScale = 0.5f;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-  static typename V::Int values(typename V::Int codes) { return V::lookup16(kValues, codes); }
+  static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
+    return V::lookup16(kValues, V::and_(bytes, low_nibbles));
+  }
   static int inputs_per_scale(const PackedGroups&) { return kMxfp4Block; }
   static typename V::Float scale(const uint8_t* group_scales, int block, int first_row) {
     return V::e8m0_to_float(group_scales + block * kGroupRows + first_row);
@@ -141,8 +143,8 @@ struct IntTiles {
           for (int v = 0; v < kVecs; ++v) {
             prefetch_weights(w, v / kVecsPerGroup, line(w, v, c));
             const Int raw = V::load(line(w, v, c));
-            low[v] = Dot::weights(FourBit::values(V::and_(raw, low_nibbles)));
-            high[v] = Dot::weights(FourBit::values(V::and_(V::srli_epi32(raw, 4), low_nibbles)));
+            low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
+            high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
           }
           KT_UNROLL
           for (int i = 0; i < M; ++i) {

@@ -42,13 +42,16 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
   std::memset(row.values + k, 0, stride - k);
   sum_blocks(row.values, stride, row.block_sums);
   if (residual == nullptr) return;
-  // What the row leaves, |x - scale * q| <= scale / 2, in steps of scale / 254.
+  // What the row leaves, |x - scale * q| <= scale / 2, in steps of scale / 254. The pointers are
+  // copied to locals and clamped as integers, so the loop vectorizes (scalar, it took 4 % of an
+  // MXFP4 prefill).
   *residual->scale = scale / kResidualSteps;
   const float residual_inverse = inverse * kResidualSteps;
+  const int8_t* const values = row.values;
+  int8_t* const rest_values = residual->values;
   for (int c = 0; c < k; ++c) {
-    const float rest = bf16_to_float(x[c]) - scale * float(row.values[c]);
-    const float q = std::nearbyint(rest * residual_inverse);
-    residual->values[c] = int8_t(std::min(std::max(q, -127.0f), 127.0f));
+    const float rest = bf16_to_float(x[c]) - scale * float(values[c]);
+    rest_values[c] = int8_t(std::clamp(int(std::nearbyint(rest * residual_inverse)), -127, 127));
   }
   std::memset(residual->values + k, 0, stride - k);
   sum_blocks(residual->values, stride, residual->block_sums);
