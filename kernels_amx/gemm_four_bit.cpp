@@ -49,6 +49,9 @@ template <class FourBit>
 void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, GemmFn avx512_gemm) {
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512_gemm(xs, ws, ys, y_stride); };
   const int per_scale = FourBit::inputs_per_scale(w), step = std::min(per_scale, kMaxInputsPerStep);
+  // A row and its residual (exact activations) are added as 256 * row + residual before they are
+  // converted, as the AVX512 tiles do, so both give the same bits.
+  const int parts = x.quantized.parts == 2 && pairs_fit<FourBit>(w) ? 2 : 1;
   tiles_and_edges(x, w, y, y_stride, TileConfig(step), [&](int tile_rows, int tile_groups) {
     // Scratch (kernel_scratch_bytes: 4 bytes per row and input, rows >= 32 here): the gathered
     // routed rows, then the two widened groups.
@@ -73,21 +76,27 @@ void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t
                                  ? V::load(w.zeros + (g + h) * w.group_zero_bytes + size_t(s) * kGroupRows * 4)
                                  : V::set1(FourBit::kOffset);
           }
-          for (int r = 0; r < kBlockRows; ++r) {
+          // Row r's sums minus the zero points times its activations' sum.
+          const auto row_sum = [&](int r, int h) {
             const V::Int x_sum = V::set1(quantized_sum(x.quantized_row(i + r), s * per_scale, per_scale));
+            return V::sub_epi32(_mm512_load_si512(&sums[r][h * kGroupRows]), V::mullo_epi32(zero_points[h], x_sum));
+          };
+          for (int r = 0; r < kBlockRows; r += parts)
             for (int h = 0; h < kBlockGroups; ++h) {
-              const V::Int sum = V::sub_epi32(_mm512_load_si512(&sums[r][h * kGroupRows]),
-                                              V::mullo_epi32(zero_points[h], x_sum));
+              V::Int sum = row_sum(r, h);
+              if (parts == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), row_sum(r + 1, h));
               V::storeu_ps(&acc[r][h * kGroupRows],
                            V::fmadd(V::to_float(sum), scale[h], V::loadu_ps(&acc[r][h * kGroupRows])));
             }
-          }
         }
-        for (int r = 0; r < kBlockRows; ++r) {
-          const V::Float x_scale = V::set1_ps(x.quantized_row(i + r).scale * FourBit::kValueScale);
-          for (int h = 0; h < kBlockGroups; ++h)
-            V::storeu_ps(y + size_t(i + r) * y_stride + (g + h) * kGroupRows,
-                         V::mul(V::loadu_ps(&acc[r][h * kGroupRows]), x_scale));
+        for (int r = 0; r < kBlockRows; r += parts) {
+          // The sums are in steps of the last part's scale (the residual's: the row's / 256).
+          const V::Float x_scale = V::set1_ps(x.quantized_row(i + r + parts - 1).scale * FourBit::kValueScale);
+          for (int h = 0; h < kBlockGroups; ++h) {
+            float* out = y + size_t(i + r) * y_stride + (g + h) * kGroupRows;
+            V::storeu_ps(out, V::mul(V::loadu_ps(&acc[r][h * kGroupRows]), x_scale));
+            if (parts == 2) V::storeu_ps(out + y_stride, V::set1_ps(0.0f));
+          }
         }
       }
     }

@@ -215,7 +215,7 @@ void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size
         rest.quantized = {x.quantized.values + size_t(tile_rows) * x.quantized.stride,
                           x.quantized.scales + tile_rows,
                           x.quantized.block_sums + size_t(tile_rows) * x.quantized.stride / kActivationBlock,
-                          x.quantized.stride};
+                          x.quantized.stride, x.quantized.parts};
     }
     fallback(rest, w, y + size_t(tile_rows) * y_stride);
   }

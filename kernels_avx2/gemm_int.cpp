@@ -38,11 +38,11 @@ void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 }
 
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot>::FourBitTile, kInt4Rows, 1>(x, w, y, y_stride);
+  gemm_tiled_parts<IntTiles<Vec, MaddubsDot>::FourBitTile, kInt4Rows, 1, 1>(x, w, y, y_stride);
 }
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot, Mxfp4Format<Vec>>::FourBitTile, kMxfp4Rows, 1>(x, w, y, y_stride);
+  gemm_tiled_parts<IntTiles<Vec, MaddubsDot, Mxfp4Format<Vec>>::FourBitTile, kMxfp4Rows, 1, 1>(x, w, y, y_stride);
 }
 
 }  // namespace avx2

@@ -68,6 +68,8 @@ struct Vec {
   static Float set1_ps(float v) { return _mm256_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm256_and_si256(a, b); }
   static Int srli_epi32(Int a, int n) { return _mm256_srli_epi32(a, n); }
+  static Int slli_epi32(Int a, int n) { return _mm256_slli_epi32(a, n); }
+  static Int add_epi32(Int a, Int b) { return _mm256_add_epi32(a, b); }
   static Int sub_epi32(Int a, Int b) { return _mm256_sub_epi32(a, b); }
   static Int mullo_epi32(Int a, Int b) { return _mm256_mullo_epi32(a, b); }
   static Float to_float(Int a) { return _mm256_cvtepi32_ps(a); }

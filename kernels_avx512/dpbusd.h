@@ -30,12 +30,16 @@ struct DpbusdDot {
   static __m512i dot2(__m512i acc, Weights w1, Act a1, Weights w2, Act a2) { return dot(dot(acc, w1, a1), w2, a2); }
 };
 
-template <template <int, int> class Tile>
+// Rows and their residuals (exact activations): tokens of two rows, four tokens x two groups.
+constexpr int kPairTokens = 4, kPairGroups = 2;
+
+template <class FourBit>
 void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  using Tiles = IntTiles<Vec, DpbusdDot, FourBit>;
   if (x.rows <= kFewRows)
-    gemm_tiled_quantized<Tile, kFewRows, kFewRowsGroups>(x, w, y, y_stride);
+    gemm_tiled_parts<Tiles::template FourBitTile, kFewRows, kFewRowsGroups, 1>(x, w, y, y_stride);
   else
-    gemm_tiled_quantized<Tile, kInt4Rows, kInt4Groups>(x, w, y, y_stride);
+    Tiles::template gemm_four_bit<kInt4Rows, kInt4Groups, kPairTokens, kPairGroups>(x, w, y, y_stride);
 }
 
 }  // namespace

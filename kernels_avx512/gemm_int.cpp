@@ -49,11 +49,11 @@ void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, siz
 }
 
 void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot, Mxfp4Format<Vec>>::FourBitTile, kRows, kGroups>(x, w, y, y_stride);
+  gemm_tiled_parts<IntTiles<Vec, MaddubsDot, Mxfp4Format<Vec>>::FourBitTile, kRows, kGroups, 1>(x, w, y, y_stride);
 }
 
 void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_tiled_quantized<IntTiles<Vec, MaddubsDot>::FourBitTile, kRows, kGroups>(x, w, y, y_stride);
+  gemm_tiled_parts<IntTiles<Vec, MaddubsDot>::FourBitTile, kRows, kGroups, 1>(x, w, y, y_stride);
 }
 
 }  // namespace avx512

@@ -19,7 +19,7 @@ struct Mxfp4Vbmi : Mxfp4Format<Vec> {
 }  // namespace
 
 void gemm_mxfp4_vpdpbusd_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_four_bit<IntTiles<Vec, DpbusdDot, Mxfp4Vbmi>::FourBitTile>(x, w, y, y_stride);
+  gemm_four_bit<Mxfp4Vbmi>(x, w, y, y_stride);
 }
 
 }  // namespace avx512

@@ -18,11 +18,11 @@ void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, s
 }
 
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_four_bit<Tiles::FourBitTile>(x, w, y, y_stride);
+  gemm_four_bit<Int4Format<Vec>>(x, w, y, y_stride);
 }
 
 void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_four_bit<IntTiles<Vec, DpbusdDot, Mxfp4Format<Vec>>::FourBitTile>(x, w, y, y_stride);
+  gemm_four_bit<Mxfp4Format<Vec>>(x, w, y, y_stride);
 }
 
 double dpbusd_peak_probe(int64_t iterations) {

@@ -137,6 +137,27 @@ void gemm_tiled_quantized(const Activations& x, const PackedGroups& w, float* y,
   gemm_tiled<Tile, MaxM, NV, QuantizedRow>([&](int i) { return x.quantized_row(i); }, x.rows, w, y, y_stride);
 }
 
+// A token's quantized rows, as the 4-bit tiles take them: the row and, with P = 2, its residual.
+template <int P>
+struct QuantizedParts {
+  QuantizedRow part[P];
+};
+
+// The 4-bit tiles on tokens of P rows each. With P = 2 (x.quantized.parts == 2, kernels.h) the tile
+// writes a token's whole result into its first row's output and zeros into the residual's, which
+// the engine adds.
+template <template <int, int> class Tile, int MaxM, int NV, int P>
+void gemm_tiled_parts(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  const auto parts_of = [&](int i) {
+    QuantizedParts<P> token;
+    for (int p = 0; p < P; ++p) token.part[p] = x.quantized_row(P * i + p);
+    return token;
+  };
+  gemm_tiled<Tile, MaxM, NV, QuantizedParts<P>>(parts_of, x.rows / P, w, y, P * y_stride);
+  for (int i = 1; P == 2 && i < x.rows; i += 2)
+    std::memset(y + size_t(i) * y_stride, 0, size_t(w.groups) * kGroupRows * sizeof(float));
+}
+
 // The sum of a quantized row's values over inputs [first, first + count), both multiples of 32.
 inline int32_t quantized_sum(const QuantizedRow& row, int first, int count) {
   int32_t sum = 0;

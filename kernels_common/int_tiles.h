@@ -4,8 +4,9 @@
 // 4-bit format adds (Int4Format, Mxfp4Format below). Layouts and weight offsets: kernels.h.
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
-// sub_epi32, mullo_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table, indices) (a byte per
-// index < 16) and e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the fp32 denormal 2^-127).
+// slli_epi32, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table,
+// indices) (a byte per index < 16) and e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
+// fp32 denormal 2^-127).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
 // 32-bit lane sum of 4 u8 x s8; for the 4-bit tiles also dot2(acc, w1, a1, w2, a2) =
@@ -17,14 +18,16 @@
 KT_NAMESPACE_BEGIN
 
 // INT4: the nibbles are q + 8 already; one float scale per G inputs per row. A 4-bit format gives:
-// kOffset (added to each value to make it unsigned), values(nibbles) (-> u8 values + kOffset),
-// kValueScale (what one unit of those values is worth), inputs_per_scale(w),
-// scale(group_scales, s, first_row) (the kLanes rows' scales of group s).
+// kOffset (added to each value to make it unsigned), low_values(bytes, low_nibbles) (the u8 values
+// + kOffset of the bytes' low nibbles), kValueScale (what one unit of those values is worth),
+// inputs_per_scale(w), scale(group_scales, s, first_row) (the kLanes rows' scales of group s).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset;
   static constexpr float kValueScale = 1.0f;
-  static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) { return V::and_(bytes, low_nibbles); }
+  static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
+    return V::and_(bytes, low_nibbles);
+  }
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
     return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGroupRows + first_row);
@@ -33,8 +36,8 @@ struct Int4Format {
 
 // MXFP4: twice an E2M1 value is an integer in -12..12, so one byte lookup turns a code into the u8
 // 2v + 12, and each 32-input block's sum is scaled by its E8M0 power of two (the halving is applied
-// once, to the result: exact). The
-// activations arrive in the packed layout's octet order (kernels.h), so the words are read as they are.
+// once, to the result: exact). The activations arrive in the packed layout's octet order
+// (kernels.h), so the words are read as they are.
 template <class V>
 struct Mxfp4Format {
   static constexpr int kOffset = 12;
@@ -50,9 +53,17 @@ struct Mxfp4Format {
   }
 };
 
+// Whether a row's and its residual's sums of a scale group, added as 256 * row + residual, fit in
+// int32: at most 15 x 127 per input (INT4 with zero points), 4,096 inputs per scale.
+template <class FourBit>
+bool pairs_fit(const PackedGroups& w) {
+  return FourBit::inputs_per_scale(w) <= 4096;
+}
+
 // Every loop over a tile's rows is unrolled (KT_UNROLL): where GCC 12 kept one rolled, it held the
-// accumulators in memory and stored each of them to the stack on every step of the inner loop (avx512,
-// one core, 768 x 2048 in cache, 32 rows: INT8 260 -> 740 GOP/s, INT4 380 -> 510).
+// accumulators in memory and stored each of them to the stack on every step of the inner loop
+// (avx512, one core, 768 x 2048 in cache, 32 rows, exact activations: INT8 131 -> 360 GOP/s, INT4
+// 187 -> 245).
 template <class V, class Dot, class FourBit = Int4Format<V>>
 struct IntTiles {
   using Int = typename V::Int;
@@ -111,59 +122,89 @@ struct IntTiles {
 
   // Per scale group s: y += scale[s] * (sum over the group of (q + offset) * x - offset * sum(x));
   // then y *= x_scale. Line c holds inputs 8c..8c+7 of 16 rows as nibbles (kernels.h).
-  template <int M, int NV>
-  struct FourBitTile {
-    static constexpr int kVecs = NV * kVecsPerGroup;
-    static void run(const QuantizedRow* x, const PackedGroups& w, float* y, size_t y_stride) {
-      const Int low_nibbles = V::set1(kLowNibbles);
-      const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
-      Float acc[M][kVecs];
-      KT_UNROLL
-      for (int i = 0; i < M; ++i)
-        for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1_ps(0.0f);
-      for (int s = 0; s < w.k / inputs_per_scale; ++s) {
-        // This scale group's integer sums, started at minus the weight offset times sum(x).
-        Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
-        if (w.zeros != nullptr)
-          for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
-        Int part[M][kVecs];
-        KT_UNROLL
-        for (int i = 0; i < M; ++i) {
-          const int32_t sum = quantized_sum(x[i], s * inputs_per_scale, inputs_per_scale);
-          const Int offset = V::set1(-FourBit::kOffset * sum);
-          for (int v = 0; v < kVecs; ++v)
-            part[i][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(-sum)) : offset;
-        }
-        // A do-while (a scale group holds at least one line): GCC 12 keeps the sums of a loop that
-        // may run zero times in memory, stored and reloaded around it (avx512, one core, in cache:
-        // INT4 +6 %).
-        int c = s * lines_per_scale;
-        do {
-          typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8c..8c+3 and 8c+4..8c+7
-          for (int v = 0; v < kVecs; ++v) {
-            prefetch_weights(w, v / kVecsPerGroup, line(w, v, c));
-            const Int raw = V::load(line(w, v, c));
-            low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
-            high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
-          }
-          KT_UNROLL
-          for (int i = 0; i < M; ++i) {
-            const typename Dot::Act a_low = Dot::activation(x[i].values, 2 * c);
-            const typename Dot::Act a_high = Dot::activation(x[i].values, 2 * c + 1);
-            for (int v = 0; v < kVecs; ++v) part[i][v] = Dot::dot2(part[i][v], low[v], a_low, high[v], a_high);
-          }
-        } while (++c < (s + 1) * lines_per_scale);
+  // Each of the M tokens is P quantized rows (QuantizedParts): one, or (P = 2) a row and its residual
+  // at 1/256 of its scale, whose sums of a scale group are added as 256 * row + residual before
+  // they are converted: a token then takes one float accumulator, not two, and a tile of four
+  // tokens (eight rows) fits the registers where six rows spilled one (callers check that the sums
+  // fit in int32: pairs_fit). The AMX build's 4-bit kernel adds them the same way.
+  template <int P>
+  struct FourBitParts {
+    template <int M, int NV>
+    struct Tile {
+      static constexpr int kVecs = NV * kVecsPerGroup;
+      static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
+        const Int low_nibbles = V::set1(kLowNibbles);
+        const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
+        Float acc[M][kVecs];
         KT_UNROLL
         for (int i = 0; i < M; ++i)
-          for (int v = 0; v < kVecs; ++v)
-            acc[i][v] = V::fmadd(V::to_float(part[i][v]), four_bit_scale(w, v, s), acc[i][v]);
+          for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1_ps(0.0f);
+        for (int s = 0; s < w.k / inputs_per_scale; ++s) {
+          // This scale group's integer sums, started at minus the weight offset times sum(x).
+          Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
+          if (w.zeros != nullptr)
+            for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
+          Int part[M][P][kVecs];
+          KT_UNROLL
+          for (int i = 0; i < M; ++i)
+            for (int p = 0; p < P; ++p) {
+              const int32_t sum = quantized_sum(x[i].part[p], s * inputs_per_scale, inputs_per_scale);
+              const Int offset = V::set1(-FourBit::kOffset * sum);
+              for (int v = 0; v < kVecs; ++v)
+                part[i][p][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(-sum)) : offset;
+            }
+          // A do-while (a scale group holds at least one line): GCC 12 keeps the sums of a loop that
+          // may run zero times in memory, stored and reloaded around it (avx512, one core, in cache:
+          // INT4 +6 %).
+          int c = s * lines_per_scale;
+          do {
+            typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8c..8c+3 and 8c+4..8c+7
+            for (int v = 0; v < kVecs; ++v) {
+              prefetch_weights(w, v / kVecsPerGroup, line(w, v, c));
+              const Int raw = V::load(line(w, v, c));
+              low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
+              high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
+            }
+            KT_UNROLL
+            for (int i = 0; i < M; ++i)
+              for (int p = 0; p < P; ++p) {
+                const typename Dot::Act a_low = Dot::activation(x[i].part[p].values, 2 * c);
+                const typename Dot::Act a_high = Dot::activation(x[i].part[p].values, 2 * c + 1);
+                for (int v = 0; v < kVecs; ++v)
+                  part[i][p][v] = Dot::dot2(part[i][p][v], low[v], a_low, high[v], a_high);
+              }
+          } while (++c < (s + 1) * lines_per_scale);
+          KT_UNROLL
+          for (int i = 0; i < M; ++i)
+            for (int v = 0; v < kVecs; ++v) {
+              Int sum = part[i][0][v];
+              if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);
+              acc[i][v] = V::fmadd(V::to_float(sum), four_bit_scale(w, v, s), acc[i][v]);
+            }
+        }
+        KT_UNROLL
+        for (int i = 0; i < M; ++i) {
+          // The sums are in steps of the last part's scale (the residual's: the row's / 256).
+          const Float x_scale = V::set1_ps(x[i].part[P - 1].scale * FourBit::kValueScale);
+          for (int v = 0; v < kVecs; ++v) V::storeu_ps(y + i * y_stride + v * V::kLanes, V::mul(acc[i][v], x_scale));
+        }
       }
-      KT_UNROLL
-      for (int i = 0; i < M; ++i)
-        for (int v = 0; v < kVecs; ++v)
-          V::storeu_ps(y + i * y_stride + v * V::kLanes, V::mul(acc[i][v], V::set1_ps(x[i].scale * FourBit::kValueScale)));
-    }
+    };
   };
+  template <int M, int NV>
+  using FourBitTile = typename FourBitParts<1>::template Tile<M, NV>;
+  template <int M, int NV>
+  using PairedFourBitTile = typename FourBitParts<2>::template Tile<M, NV>;
+
+  // A 4-bit GEMM: tiles of MaxPairs tokens x PairNV groups where x holds rows and residuals and
+  // their sums fit, else of MaxM rows x NV groups.
+  template <int MaxM, int NV, int MaxPairs, int PairNV>
+  static void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+    if (x.quantized.parts == 2 && pairs_fit<FourBit>(w))
+      gemm_tiled_parts<PairedFourBitTile, MaxPairs, PairNV, 2>(x, w, y, y_stride);
+    else
+      gemm_tiled_parts<FourBitTile, MaxM, NV, 1>(x, w, y, y_stride);
+  }
 };
 
 KT_NAMESPACE_END

@@ -125,7 +125,7 @@ void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, const FormatTrai
 QuantizedRows QuantizedBuffer::view(int first_row) const {
   const size_t first = size_t(first_row) * parts;
   return {values.data() + first * stride, scales.data() + first,
-          block_sums.data() + first * stride / kActivationBlock, stride};
+          block_sums.data() + first * stride / kActivationBlock, stride, parts};
 }
 
 void sum_parts(float* y, int rows, int parts, int cols, size_t stride) {

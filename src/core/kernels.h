@@ -29,16 +29,18 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
 // block_sums[b] = sum of values[32b .. 32b + 31] (the kernels subtract their weight offset times it).
 // By default each activation row is held by TWO such rows (parts): the row, and what it leaves
-// (x - scale * values, at most half a step) at 1/254 of its scale. The GEMMs multiply both like
-// any two rows and the engine adds their outputs: x is then held to 1/64516 of its largest
-// magnitude, so a few outlier channels no longer round the rest of the row away.
+// (x - scale * values, at most half a step) at 1/256 of its scale. The GEMMs multiply both like
+// any two rows (or, the 4-bit tiles, add their integer sums as 256 * row + residual) and the
+// engine adds their outputs: x is then held to about 1/65000 of its largest magnitude, so a few
+// outlier channels no longer round the rest of the row away.
 constexpr int kActivationBlock = 32;
-constexpr float kResidualSteps = 254.0f;
+constexpr float kResidualSteps = 256.0f;
 struct QuantizedRows {
   const int8_t* values = nullptr;  // [row][stride]
   const float* scales = nullptr;   // [row]
   const int32_t* block_sums = nullptr;  // [row][stride / kActivationBlock]
   size_t stride = 0;
+  int parts = 1;  // 2: rows 2t, 2t + 1 are a row and its residual
 };
 
 // One quantized row, as the integer tiles take it.

@@ -42,9 +42,10 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
   std::memset(row.values + k, 0, stride - k);
   sum_blocks(row.values, stride, row.block_sums);
   if (residual == nullptr) return;
-  // What the row leaves, |x - scale * q| <= scale / 2, in steps of scale / 254. The pointers are
-  // copied to locals and clamped as integers, so the loop vectorizes (scalar, it took 4 % of an
-  // MXFP4 prefill).
+  // What the row leaves, |x - scale * q| <= scale / 2, in steps of scale / 256 (a power of two:
+  // the 4-bit tiles add 256 x the row's sums to the residual's; 128 steps clamp to 127). The
+  // pointers are copied to locals and clamped as integers, so the loop vectorizes (scalar, it took
+  // 4 % of an MXFP4 prefill).
   *residual->scale = scale / kResidualSteps;
   const float residual_inverse = inverse * kResidualSteps;
   const int8_t* const values = row.values;
