@@ -143,9 +143,9 @@ struct QuantizedParts {
   QuantizedRow part[P];
 };
 
-// The 4-bit tiles on tokens of P rows each. With P = 2 (x.quantized.parts == 2, kernels.h) the tile
-// writes a token's whole result into its first row's output and zeros into the residual's, which
-// the engine adds.
+// The 4-bit tiles on tokens of P rows each. With P = 2 (x.quantized.parts == 2, kernels.h) a
+// token's whole result goes into its first row's output and zeros into the residual's: the engine
+// adds the two as it does for every integer GEMM.
 template <template <int, int> class Tile, int MaxM, int NV, int P>
 void gemm_tiled_parts(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   const auto parts_of = [&](int i) {
