@@ -75,6 +75,7 @@ struct Vec {
   static Float to_float(Int a) { return _mm256_cvtepi32_ps(a); }
   static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float add_ps(Float a, Float b) { return _mm256_add_ps(a, b); }
   static void storeu_ps(float* p, Float a) { _mm256_storeu_ps(p, a); }
   static Int lookup16(const int8_t* table, Int indices) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))),
@@ -88,10 +89,12 @@ struct Vec {
 };
 
 // Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'
-// matching values as int16: the exact u8 x s8 quad sum without saturation. The activation rows are
-// widened once per GEMM call (gemm_int.cpp, into Activations::scratch) so that each quad's two
-// int16 pairs are broadcast straight from memory.
+// matching values as int16 (an int8 row, or a row and its residual as 256 q + r: gemm_int.cpp):
+// the exact quad sum without saturation. The activations are widened once per GEMM call (into
+// Activations::scratch) so that each quad's two int16 pairs are broadcast straight from memory.
 struct MaddwdDot {
+  // INT8 weights (|q| <= 128) x activations up to 32,639: a sum of 512 inputs stays below 2^31.
+  static constexpr int kQuadsPerSum = 128;
   struct Weights {
     __m256i even, odd;
   };
@@ -106,6 +109,9 @@ struct MaddwdDot {
   }
   static __m256i dot(__m256i acc, const Weights& w, const Act& a) {
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w.even, a.even), _mm256_madd_epi16(w.odd, a.odd)));
+  }
+  static __m256i dot2(__m256i acc, const Weights& w1, const Act& a1, const Weights& w2, const Act& a2) {
+    return dot(dot(acc, w1, a1), w2, a2);
   }
 };
 

@@ -16,6 +16,7 @@ constexpr int kInt4Rows = 6, kInt4Groups = 2;
 // one row has two chains (INT4 from cache, one core: 32-45 GB/s); four groups per tile: 62-64 GB/s.
 constexpr int kFewRows = 2, kFewRowsGroups = 4;
 struct DpbusdDot {
+  static constexpr int kQuadsPerSum = kInt8ActivationQuadsPerSum;
   using Weights = __m512i;
   using Act = __m512i;
   static Weights weights(__m512i line) { return line; }

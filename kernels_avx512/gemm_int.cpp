@@ -13,6 +13,7 @@ constexpr int kRows = 4, kGroups = 2;
 // Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'
 // matching bytes sign-extended: the exact vpdpbusd sum without saturation.
 struct MaddwdDot {
+  static constexpr int kQuadsPerSum = kInt8ActivationQuadsPerSum;
   struct Weights {
     __m512i even, odd;
   };

@@ -62,6 +62,7 @@ struct Vec {
   static Float to_float(Int a) { return _mm512_cvtepi32_ps(a); }
   static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
   static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float add_ps(Float a, Float b) { return _mm512_add_ps(a, b); }
   static void storeu_ps(float* p, Float a) { _mm512_storeu_ps(p, a); }
   static Int lookup16(const int8_t* table, Int indices) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), indices);

@@ -143,6 +143,13 @@ struct QuantizedParts {
   QuantizedRow part[P];
 };
 
+// Where a GEMM took each row and its residual together (x.quantized.parts == 2) and wrote the
+// token's whole result into the row's output: zeros into the residual's.
+inline void zero_residual_outputs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  for (int i = 1; x.quantized.parts == 2 && i < x.rows; i += 2)
+    std::memset(y + size_t(i) * y_stride, 0, size_t(w.groups) * kGroupRows * sizeof(float));
+}
+
 // The 4-bit tiles on tokens of P rows each. With P = 2 (x.quantized.parts == 2, kernels.h) a
 // token's whole result goes into its first row's output and zeros into the residual's: the engine
 // adds the two as it does for every integer GEMM.
@@ -154,8 +161,7 @@ void gemm_tiled_parts(const Activations& x, const PackedGroups& w, float* y, siz
     return token;
   };
   gemm_tiled<Tile, MaxM, NV, QuantizedParts<P>>(parts_of, x.rows / P, w, y, P * y_stride);
-  for (int i = 1; P == 2 && i < x.rows; i += 2)
-    std::memset(y + size_t(i) * y_stride, 0, size_t(w.groups) * kGroupRows * sizeof(float));
+  if (P == 2) zero_residual_outputs(x, w, y, y_stride);
 }
 
 // The sum of a quantized row's values over inputs [first, first + count), both multiples of 32.

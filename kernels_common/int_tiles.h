@@ -3,14 +3,16 @@
 // product of that ISA (vpdpbusd, or its emulation by vpmaddwd / vpmaddubsw) and `FourBit` what a
 // 4-bit format adds (Int4Format, Mxfp4Format below). Layouts and weight offsets: kernels.h.
 //
-// V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, set1, set1_ps, and_, srli_epi32,
-// slli_epi32, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, storeu_ps, lookup16(table,
+// V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, loadu_ps, set1, set1_ps, and_, srli_epi32,
+// slli_epi32, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, add_ps, storeu_ps, lookup16(table,
 // indices) (a byte per index < 16) and e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
 // fp32 denormal 2^-127).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
-// 32-bit lane sum of 4 u8 x s8; for the 4-bit tiles also dot2(acc, w1, a1, w2, a2) =
-// dot(dot(acc, w1, a1), w2, a2) (4-bit weights, at most 24, let vpmaddubsw sum both before widening).
+// 32-bit lane sum of 4 u8 x s8 (or, MaddwdDot, u8 x s16), kQuadsPerSum (how many quads an int32
+// sum of the INT8 tile may take without overflowing); for the 4-bit tiles also dot2(acc, w1, a1, w2,
+// a2) = dot(dot(acc, w1, a1), w2, a2) (4-bit weights, at most 24, let vpmaddubsw sum both before
+// widening).
 #pragma once
 
 #include "gemm_tiles.h"
@@ -53,6 +55,9 @@ struct Mxfp4Format {
   }
 };
 
+// The INT8 tile on int8 activations: one int32 sum takes a whole row (k <= kInt8MaxK, kernels.h).
+constexpr int kInt8ActivationQuadsPerSum = kInt8MaxK / 4;
+
 // Whether a row's and its residual's sums of a scale group, added as 256 * row + residual, fit in
 // int32: at most 15 x 127 per input (INT4 with zero points), 4,096 inputs per scale.
 template <class FourBit>
@@ -88,34 +93,44 @@ struct IntTiles {
     return FourBit::scale(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
   }
 
-  // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)).
+  // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)), the sum taken in int32
+  // over runs of Dot::kQuadsPerSum quads (int16 activations: 512 inputs) and added up in fp32.
   template <int M, int NV>
   struct Int8 {
     static constexpr int kVecs = NV * kVecsPerGroup;
     static void run(const QuantizedRow* x, const PackedGroups& w, float* y, size_t y_stride) {
-      Int acc[M][kVecs];
-      KT_UNROLL
-      for (int i = 0; i < M; ++i)
-        for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1(0);
-      for (int j = 0; j < round_up(w.k, 4) / 4; ++j) {
-        typename Dot::Weights wv[kVecs];
-        for (int v = 0; v < kVecs; ++v) {
-          prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
-          wv[v] = Dot::weights(V::load(line(w, v, j)));
+      const int quads = round_up(w.k, 4) / 4;
+      for (int j0 = 0; j0 < quads; j0 += Dot::kQuadsPerSum) {
+        const int j1 = std::min(quads, j0 + Dot::kQuadsPerSum);
+        Int acc[M][kVecs];
+        KT_UNROLL
+        for (int i = 0; i < M; ++i)
+          for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1(0);
+        for (int j = j0; j < j1; ++j) {
+          typename Dot::Weights wv[kVecs];
+          for (int v = 0; v < kVecs; ++v) {
+            prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
+            wv[v] = Dot::weights(V::load(line(w, v, j)));
+          }
+          KT_UNROLL
+          for (int i = 0; i < M; ++i) {
+            const typename Dot::Act a = Dot::activation(x[i].values, j);
+            for (int v = 0; v < kVecs; ++v) acc[i][v] = Dot::dot(acc[i][v], wv[v], a);
+          }
         }
+        // kQuadsPerSum is a multiple of 8: every run but the last is whole activation blocks.
+        const int inputs = (j1 == quads ? round_up(w.k, kActivationBlock) : 4 * j1) - 4 * j0;
         KT_UNROLL
         for (int i = 0; i < M; ++i) {
-          const typename Dot::Act a = Dot::activation(x[i].values, j);
-          for (int v = 0; v < kVecs; ++v) acc[i][v] = Dot::dot(acc[i][v], wv[v], a);
+          const Int offset = V::set1(kInt8Offset * quantized_sum(x[i], 4 * j0, inputs));
+          const Float x_scale = V::set1_ps(x[i].scale);
+          for (int v = 0; v < kVecs; ++v) {
+            float* out = y + i * y_stride + v * V::kLanes;
+            Float sum = V::mul(V::to_float(V::sub_epi32(acc[i][v], offset)), V::mul(row_scales(w, v), x_scale));
+            if (j0 > 0) sum = V::add_ps(V::loadu_ps(out), sum);
+            V::storeu_ps(out, sum);
+          }
         }
-      }
-      KT_UNROLL
-      for (int i = 0; i < M; ++i) {
-        const Int offset = V::set1(kInt8Offset * quantized_sum(x[i], 0, round_up(w.k, kActivationBlock)));
-        const Float x_scale = V::set1_ps(x[i].scale);
-        for (int v = 0; v < kVecs; ++v)
-          V::storeu_ps(y + i * y_stride + v * V::kLanes,
-                       V::mul(V::to_float(V::sub_epi32(acc[i][v], offset)), V::mul(row_scales(w, v), x_scale)));
       }
     }
   };

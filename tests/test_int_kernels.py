@@ -136,6 +136,16 @@ def test_zero_rows_and_zero_scales_give_zero():
     assert torch.all(y == 0)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int8_sums_at_their_largest(tokens):
+    """Every weight -128 times every activation at its largest: over a row of 7,168 inputs the
+    integer sum overflows int32; the kernels take it over runs of inputs short enough to be exact."""
+    n, k = 32, 7168
+    values = torch.full((n, k), -128, dtype=torch.int8)
+    y = kernel_linear("INT8", torch.ones(tokens, k, dtype=torch.bfloat16), values, torch.full((n,), 0.5))
+    assert torch.allclose(y.double(), torch.full_like(y.double(), -64.0 * k), rtol=1e-6, atol=0)
+
+
 # ---- the MoE forward --------------------------------------------------------------------------
 def canonical(p, method: str) -> dict[str, torch.Tensor]:
     """Canonical values/scales of the problem's weights; the problem's weights are replaced by their
