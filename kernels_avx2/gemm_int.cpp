@@ -9,9 +9,10 @@ namespace avx2 {
 namespace {
 
 // One group (two ymm) per tile: 16 registers do not hold more. 4-bit tiles of int8 rows: 2 rows x 2
-// halves of integer and float accumulators; of int16 tokens, 4 tokens (some of their sums spill,
-// but 2 and 3 tokens were slower: INT4 80 and 89 GOP/s against 92, one core, 768 x 2048).
-constexpr int kInt8Rows = 4, kFourBitRows = 2, kWideTokens = 4;
+// halves of integer and float accumulators. Of int16 tokens, 8 tokens: their sums spill to the
+// stack, but each decoded line then serves more tokens (one core, 768 x 2048, 32 tokens: INT4 80,
+// 89, 93, 99, 105 and 107 GOP/s with 2, 3, 4, 6, 8 and 12 tokens; MXFP4 71 to 96).
+constexpr int kInt8Rows = 4, kFourBitRows = 2, kWideTokens = 8;
 
 // x's tokens as MaddwdDot reads them, widened into x.scratch: a token is a quantized row, or (parts
 // = 2) a row q and its residual r at 1/256 of its scale, taken as the one int16 row 256 q + r (at
