@@ -89,6 +89,12 @@ def test_model_mode_deferral():
         (["--model", "tiny", "--layers", "3", "--weight-sets", "1"], "--weight-sets 1: consecutive layers"),
         (["--layers", "3"], "--layers needs --model"),
         (["--model", "tiny", "--shape", "tiny"], "--model names the shape"),
+        (["--variant", "avx9"], "--variant 'avx9' is not a build; valid values: auto, all, amx"),
+        *[
+            (["--variant", v], f"--variant {v}: this CPU cannot run the {v} build")
+            for v in VARIANTS
+            if missing_flags(v, HOST_FLAGS)
+        ],
     ],
 )
 def test_model_mode_refuses_bad_options(options, message, capsys):
@@ -109,3 +115,14 @@ def test_model_mode_fp8_weights_are_normal_codes():
     assert not ((codes & 0x78) == 0).any()
     assert not ((codes & 0x7F) == 0x7F).any()
     assert len(codes.unique()) == 254 - 16  # every other code occurs
+
+
+def test_bench_avx512_plain(tmp_path):
+    """`--variant avx512-plain`: the AVX512 build without its BF16 and VNNI paths, labelled so."""
+    if missing_flags("avx512", HOST_FLAGS):
+        pytest.skip("this CPU cannot run the avx512 build")
+    out = tmp_path / "plain.json"
+    result = run_bench("--shape", "tiny", "--tokens", "1", "--calls", "3", "--format", "int4", "--no-torch",
+                       "--variant", "avx512-plain", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {row["variant"] for row in json.loads(out.read_text())["rows"]} == {"avx512-plain"}

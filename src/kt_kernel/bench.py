@@ -541,11 +541,38 @@ def progress(done: int, total: int, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Parent: one subprocess per build, then the table.
 # ---------------------------------------------------------------------------------------------
+# The AVX512 build without its BF16 and VNNI paths: the code Skylake-SP runs.
+PLAIN_AVX512_ENV = {"KT_KERNEL_DISABLE_AVX512_BF16": "1", "KT_KERNEL_DISABLE_AVX512_VNNI": "1"}
+
+
 def runnable_variants() -> list[str]:
     from kt_kernel.loader import VARIANTS, cpu_flags, missing_flags, read_cpuinfo
 
     flags = cpu_flags(read_cpuinfo()[0])
     return [v for v in VARIANTS if not missing_flags(v, flags)]
+
+
+def variant_runs(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """(build, extra environment) of each worker that `--variant spec` asks for ("" = the build
+    import picks); a ValueError names a build that does not exist or that this CPU cannot run."""
+    from kt_kernel.loader import VARIANTS
+
+    if spec == "auto":
+        return [("", {})]
+    runnable = runnable_variants()
+    names = [v.strip() for v in spec.split(",")]
+    if spec == "all":
+        names = [n for v in runnable for n in ((v, "avx512-plain") if v == "avx512" else (v,))]
+    runs = []
+    for name in names:
+        build = "avx512" if name == "avx512-plain" else name
+        if build not in VARIANTS:
+            valid = ", ".join(["auto", "all", *VARIANTS, "avx512-plain"])
+            raise ValueError(f"--variant {name!r} is not a build; valid values: {valid}")
+        if build not in runnable:
+            raise ValueError(f"--variant {name}: this CPU cannot run the {build} build")
+        runs.append((build, PLAIN_AVX512_ENV if name == "avx512-plain" else {}))
+    return runs
 
 
 def opt(value: float | None, fmt: str) -> str:
@@ -656,7 +683,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variant",
         default="auto",
-        help="auto (the build import picks), all, or a comma list: amx,avx512,avx2",
+        help="auto (the build import picks), all (every build this CPU runs, and avx512-plain), or a "
+        "comma list of amx, avx512, avx512-plain (AVX512 without its BF16 and VNNI paths), avx2",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
@@ -759,27 +787,18 @@ def main(args: argparse.Namespace) -> int:
         result = run_model_worker(args) if args.model else run_worker(args)
         Path(args.worker_json).write_text(json.dumps(result))
         return 0
-    if args.variant == "all":
-        variants = runnable_variants()
-    elif args.variant == "auto":
-        variants = [""]
-    else:
-        variants = [v.strip() for v in args.variant.split(",")]
+    try:
+        runs = variant_runs(args.variant)
+    except ValueError as error:
+        return usage_error(str(error))
     workers = []
-    for variant in variants:
+    for variant, extra_env in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            env = dict(os.environ)
+            env = dict(os.environ) | extra_env
             if variant:
                 env["KT_KERNEL_CPU_VARIANT"] = variant
-            command = worker_command(args, out.name)
-            runs = [env]
-            if variant == "avx512" and args.variant == "all":  # the plain AVX512F / BW paths too
-                runs.append(
-                    env | {"KT_KERNEL_DISABLE_AVX512_BF16": "1", "KT_KERNEL_DISABLE_AVX512_VNNI": "1"}
-                )
-            for run_env in runs:
-                subprocess.run(command, env=run_env, check=True)
-                workers.append(json.loads(Path(out.name).read_text()))
+            subprocess.run(worker_command(args, out.name), env=env, check=True)
+            workers.append(json.loads(Path(out.name).read_text()))
     machine = {"cpu": cpu_model(), "threads": args.threads,
                "dram_gbps": statistics.median(w["dram_gbps"] for w in workers)}  # fmt: skip
     if args.model:
