@@ -1,6 +1,5 @@
 // What the AVX2 kernel files share: the ymm vector traits of the shared integer tiles (a 16-row
-// group is two ymm), the u8 x s8 dot products emulated by vpmaddwd or vpmaddubsw, bf16 helpers, and
-// the build's GEMMs, which entry.cpp puts in the kernel table.
+// group is two ymm), bf16 helpers, and the build's GEMMs, which entry.cpp puts in the kernel table.
 #pragma once
 
 #include <immintrin.h>
@@ -68,6 +67,10 @@ struct Vec {
   static Float set1_ps(float v) { return _mm256_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm256_and_si256(a, b); }
   static Int srli_epi32(Int a, int n) { return _mm256_srli_epi32(a, n); }
+  static Int srli_epi16(Int a, int n) { return _mm256_srli_epi16(a, n); }
+  static Int madd_epi16(Int a, Int b) { return _mm256_madd_epi16(a, b); }
+  static Int maddubs_epi16(Int a, Int b) { return _mm256_maddubs_epi16(a, b); }
+  static Int add_epi16(Int a, Int b) { return _mm256_add_epi16(a, b); }
   static Int slli_epi32(Int a, int n) { return _mm256_slli_epi32(a, n); }
   static Int add_epi32(Int a, Int b) { return _mm256_add_epi32(a, b); }
   static Int sub_epi32(Int a, Int b) { return _mm256_sub_epi32(a, b); }
@@ -85,46 +88,6 @@ struct Vec {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))), 23);
     return _mm256_castsi256_ps(_mm256_max_epi32(bits, _mm256_set1_epi32(kE8M0ZeroBits)));
-  }
-};
-
-// Any u8 weight: even and odd bytes zero-extended to 16 bits, vpmaddwd with the activations'
-// matching values as int16 (an int8 row, or a row and its residual as 256 q + r: gemm_int.cpp):
-// the exact quad sum without saturation. The activations are widened once per GEMM call (into
-// Activations::scratch) so that each quad's two int16 pairs are broadcast straight from memory.
-struct MaddwdDot {
-  // INT8 weights (|q| <= 128) x activations up to 32,639: a sum of 512 inputs stays below 2^31.
-  static constexpr int kQuadsPerSum = 128;
-  struct Weights {
-    __m256i even, odd;
-  };
-  using Act = Weights;
-  static Weights weights(__m256i line) {
-    return {_mm256_and_si256(line, _mm256_set1_epi16(0x00FF)), _mm256_srli_epi16(line, 8)};
-  }
-  // `values` is a widened row: quad j = int16 {x[4j], x[4j+2]}, {x[4j+1], x[4j+3]}.
-  static Act activation(const int8_t* values, int j) {
-    const int32_t* pairs = reinterpret_cast<const int32_t*>(values) + 2 * j;
-    return {_mm256_set1_epi32(pairs[0]), _mm256_set1_epi32(pairs[1])};
-  }
-  static __m256i dot(__m256i acc, const Weights& w, const Act& a) {
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w.even, a.even), _mm256_madd_epi16(w.odd, a.odd)));
-  }
-  static __m256i dot2(__m256i acc, const Weights& w1, const Act& a1, const Weights& w2, const Act& a2) {
-    return dot(dot(acc, w1, a1), w2, a2);
-  }
-};
-
-// Weights 0..24 (INT4: 0..15, MXFP4: 0..24): two vpmaddubsw summed in 16 bits cannot saturate
-// (4 * 24 * 127 < 2^15); vpmaddwd by 1 widens.
-struct MaddubsDot {
-  using Weights = __m256i;
-  using Act = __m256i;
-  static Weights weights(__m256i line) { return line; }
-  static Act activation(const int8_t* values, int j) { return _mm256_set1_epi32(load_int8_quad(values + 4 * j)); }
-  static __m256i dot2(__m256i acc, Weights w1, Act a1, Weights w2, Act a2) {
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w1, a1), _mm256_maddubs_epi16(w2, a2));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
 };
 

@@ -55,6 +55,10 @@ struct Vec {
   static Float set1_ps(float v) { return _mm512_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm512_and_si512(a, b); }
   static Int srli_epi32(Int a, int n) { return _mm512_srli_epi32(a, n); }
+  static Int srli_epi16(Int a, int n) { return _mm512_srli_epi16(a, n); }
+  static Int madd_epi16(Int a, Int b) { return _mm512_madd_epi16(a, b); }
+  static Int maddubs_epi16(Int a, Int b) { return _mm512_maddubs_epi16(a, b); }
+  static Int add_epi16(Int a, Int b) { return _mm512_add_epi16(a, b); }
   static Int slli_epi32(Int a, int n) { return _mm512_slli_epi32(a, n); }
   static Int add_epi32(Int a, Int b) { return _mm512_add_epi32(a, b); }
   static Int sub_epi32(Int a, Int b) { return _mm512_sub_epi32(a, b); }

@@ -58,6 +58,89 @@ struct Mxfp4Format {
 // The INT8 tile on int8 activations: one int32 sum takes a whole row (k <= kInt8MaxK, kernels.h).
 constexpr int kInt8ActivationQuadsPerSum = kInt8MaxK / 4;
 
+// The u8 x s8 dot products of ISAs without vpdpbusd. V also provides srli_epi16, madd_epi16,
+// maddubs_epi16 and add_epi16.
+//
+// Weights 0..24 (INT4: 0..15, MXFP4: 0..24) on int8 rows: two vpmaddubsw summed in 16 bits cannot
+// saturate (4 * 24 * 127 < 2^15); vpmaddwd by 1 widens.
+template <class V>
+struct MaddubsDot {
+  using Int = typename V::Int;
+  using Weights = Int;
+  using Act = Int;
+  static Weights weights(Int line) { return line; }
+  static Act activation(const int8_t* values, int j) { return V::set1(load_int8_quad(values + 4 * j)); }
+  static Int dot2(Int acc, Weights w1, Act a1, Weights w2, Act a2) {
+    const Int pairs = V::add_epi16(V::maddubs_epi16(w1, a1), V::maddubs_epi16(w2, a2));
+    return V::add_epi32(acc, V::madd_epi16(pairs, V::set1(0x00010001)));
+  }
+};
+
+// Any u8 weight on int16 activations (WidenedTokens below): even and odd bytes zero-extended to 16
+// bits, vpmaddwd with the matching activations: the exact quad sum without saturation.
+template <class V>
+struct MaddwdDot {
+  using Int = typename V::Int;
+  // INT8 weights (|q| <= 128) x activations up to 32,639: a sum of 512 inputs stays below 2^31.
+  static constexpr int kQuadsPerSum = 128;
+  struct Weights {
+    Int even, odd;
+  };
+  using Act = Weights;
+  static Weights weights(Int line) { return {V::and_(line, V::set1(0x00FF00FF)), V::srli_epi16(line, 8)}; }
+  // Quad j of a widened row: int16 {x[4j], x[4j+2]}, {x[4j+1], x[4j+3]}, each pair broadcast.
+  static Act activation(const int8_t* values, int j) {
+    return {V::set1(load_int8_quad(values + 8 * j)), V::set1(load_int8_quad(values + 8 * j + 4))};
+  }
+  static Int dot(Int acc, const Weights& w, const Act& a) {
+    return V::add_epi32(acc, V::add_epi32(V::madd_epi16(w.even, a.even), V::madd_epi16(w.odd, a.odd)));
+  }
+  static Int dot2(Int acc, const Weights& w1, const Act& a1, const Weights& w2, const Act& a2) {
+    return dot(dot(acc, w1, a1), w2, a2);
+  }
+};
+
+// x's tokens as MaddwdDot reads them, widened into x.scratch once per GEMM call: a token is a
+// quantized row, or (parts = 2) a row q and its residual r at 1/256 of its scale, taken as the one
+// int16 row 256 q + r (at most 32,639): one vpmaddwd then multiplies both, where the int8 rows took
+// two multiplies each. tokens(t) is token t's handle (values: the widened row).
+struct WidenedTokens {
+  const Activations& x;
+  const int16_t* values;
+  const int32_t* block_sums;  // parts = 2: 256 x the row's + the residual's
+  size_t row_elems, blocks;
+  int count;
+  QuantizedRow operator()(int t) const {
+    const int parts = x.quantized.parts;
+    const QuantizedRow last = x.quantized_row(parts * t + parts - 1);  // the residual carries the scale
+    return {reinterpret_cast<const int8_t*>(values + t * row_elems),
+            parts == 1 ? last.block_sums : block_sums + t * blocks, last.scale};
+  }
+};
+
+inline WidenedTokens widen_tokens(const Activations& x, int k) {
+  const int parts = x.quantized.parts, tokens = x.rows / parts;
+  const size_t row_elems = round_up(k, 4), blocks = round_up(k, kActivationBlock) / kActivationBlock;
+  int16_t* values = reinterpret_cast<int16_t*>(x.scratch);
+  int32_t* block_sums = reinterpret_cast<int32_t*>(values + tokens * row_elems);  // fits kernel_scratch_bytes
+  constexpr int kQuadOrder[4] = {0, 2, 1, 3};
+  for (int t = 0; t < tokens; ++t) {
+    const QuantizedRow row = x.quantized_row(parts * t);
+    int16_t* dst = values + t * row_elems;
+    if (parts == 1) {
+      for (size_t c = 0; c < row_elems; c += 4)
+        for (int e = 0; e < 4; ++e) dst[c + e] = row.values[c + kQuadOrder[e]];
+      continue;
+    }
+    const QuantizedRow residual = x.quantized_row(parts * t + 1);
+    for (size_t c = 0; c < row_elems; c += 4)
+      for (int e = 0; e < 4; ++e)
+        dst[c + e] = int16_t(256 * row.values[c + kQuadOrder[e]] + residual.values[c + kQuadOrder[e]]);
+    for (size_t b = 0; b < blocks; ++b) block_sums[t * blocks + b] = 256 * row.block_sums[b] + residual.block_sums[b];
+  }
+  return {x, values, block_sums, row_elems, blocks, tokens};
+}
+
 // Whether a row's and its residual's sums of a scale group, added as 256 * row + residual, fit in
 // int32: at most 15 x 127 per input (INT4 with zero points), 4,096 inputs per scale.
 template <class FourBit>
@@ -221,5 +304,30 @@ struct IntTiles {
       gemm_tiled_parts<FourBitTile, MaxM, NV, 1>(x, w, y, y_stride);
   }
 };
+
+// INT8 without vpdpbusd: tiles of MaxTokens widened tokens x NV groups (MaddwdDot).
+template <class V, int MaxTokens, int NV>
+void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  const WidenedTokens tokens = widen_tokens(x, w.k);
+  gemm_tiled<IntTiles<V, MaddwdDot<V>>::template Int8, MaxTokens, NV, QuantizedRow>(tokens, tokens.count, w, y,
+                                                                                   x.quantized.parts * y_stride);
+  zero_residual_outputs(x, w, y, y_stride);
+}
+
+// A 4-bit GEMM without vpdpbusd: tokens of a row and its residual as widened int16 rows (MaddwdDot:
+// 4 multiplies and 4 adds per line, token and vector, where vpmaddubsw on the two int8 rows takes 6
+// and 4), tiles of MaxTokens x TokenNV groups; one token (decode), int8 activations or sums that
+// may not fit on the int8 rows (MaddubsDot, faster there), MaxRows x NV.
+template <class V, class FourBit, int MaxRows, int NV, int MaxTokens, int TokenNV>
+void gemm_four_bit_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (x.quantized.parts == 2 && x.rows > 2 && pairs_fit<FourBit>(w)) {
+    const WidenedTokens tokens = widen_tokens(x, w.k);
+    gemm_tiled<IntTiles<V, MaddwdDot<V>, FourBit>::template FourBitTile, MaxTokens, TokenNV, QuantizedParts<1>>(
+        [&](int t) { return QuantizedParts<1>{{tokens(t)}}; }, tokens.count, w, y, 2 * y_stride);
+    zero_residual_outputs(x, w, y, y_stride);
+  } else {
+    gemm_tiled_parts<IntTiles<V, MaddubsDot<V>, FourBit>::template FourBitTile, MaxRows, NV, 1>(x, w, y, y_stride);
+  }
+}
 
 KT_NAMESPACE_END
