@@ -12,8 +12,10 @@ const Kernels& kernels() {
 void init_kernels() {}
 
 KernelInfo kernel_info() {
-  return {"avx2", "avx2 (bf16->fp32, fma)", "avx2 (E2M1 -> integers by vpshufb, int8 activations, vpmaddubsw)",
-          "avx2 (vpmaddwd / vpmaddubsw)",
+  return {"avx2", "avx2 (bf16->fp32, fma)",
+          "avx2 (E2M1 -> integers by vpshufb; vpmaddwd on a row and its residual as int16, vpmaddubsw on int8 "
+          "rows for one token or int8_activations)",
+          "avx2 (vpmaddwd on int16 activations)",
           "avx2 (one or two rows: E4M3 -> fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)"};
 }
 

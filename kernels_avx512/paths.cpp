@@ -92,10 +92,11 @@ KernelInfo paths_info() {
                      : p.vdpbf16ps ? "avx512_bf16 (vdpbf16ps)"
                                    : "avx512f (bf16->fp32, fma)";
   return {"avx512", bf16,
-          !p.vpdpbusd ? "E2M1 -> integers by vpshufb, int8 activations, avx512bw (vpmaddubsw)"
-          : p.vpermb  ? "E2M1 -> integers by vpermb (avx512_vbmi), int8 activations, avx512_vnni (vpdpbusd)"
-                      : "E2M1 -> integers by vpshufb, int8 activations, avx512_vnni (vpdpbusd)",
-          p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd / vpmaddubsw)",
+          !p.vpdpbusd ? "E2M1 -> integers by vpshufb, avx512bw (vpmaddwd on a row and its residual as int16, "
+                        "vpmaddubsw on int8 rows for one token or int8_activations)"
+          : p.vpermb  ? "E2M1 -> integers by vpermb (avx512_vbmi), int8 rows, avx512_vnni (vpdpbusd)"
+                      : "E2M1 -> integers by vpshufb, int8 rows, avx512_vnni (vpdpbusd)",
+          p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd on int16 activations)",
           fp8_path(p)};
 }
 

@@ -33,8 +33,8 @@ moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method="MXF
 moe.load_weights_from_tensors(p.gate, p.up, p.down)  # quantized on load
 for name in ("gate", "up", "down"):  # the reference uses the exact quantized weights
     setattr(p, name, decode_mxfp4(*kt_kernel.quant.quantize("MXFP4", getattr(p, name))).float())
-ref = reference_forward(p)  # the avx2 build multiplies MXFP4 with int8 activations: ~1-2 %
-assert ((moe.forward(p.hidden, p.ids, p.weights).double() - ref).norm() / ref.norm()).item() < 0.03
+ref = reference_forward(p)  # exact to the stored weights: 0.5 %, as on every build
+assert ((moe.forward(p.hidden, p.ids, p.weights).double() - ref).norm() / ref.norm()).item() < 0.005
 for method in ("INT8", "INT4"):
     p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=9)
     moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method=method)
@@ -44,7 +44,7 @@ for method in ("INT8", "INT4"):
         setattr(p, name, kt_kernel.quant.dequantize(method, *q))
     ref = reference_forward(p)
     out = moe.forward(p.hidden, p.ids, p.weights).double()
-    assert ((out - ref).norm() / ref.norm()).item() < 0.03, method  # int8 activations
+    assert ((out - ref).norm() / ref.norm()).item() < 0.005, method
 # FP8: one token per expert decodes the codes through fp16 (F16C), nine tokens through bf16. Scales
 # are powers of two, so the stored weights are bf16 numbers, as reference_forward takes them.
 for tokens in (1, 9):

@@ -182,7 +182,7 @@ struct KernelInfo {
   const char* isa;         // the build: avx2, avx512 or amx
   const char* bf16_path;   // how bf16 products are computed (BF16 kernels)
   const char* mxfp4_path;  // how MXFP4 weights are multiplied
-  const char* int8_path;   // how u8 x s8 products are computed (INT8 and INT4 kernels)
+  const char* int8_path;   // how the INT8 and INT4 kernels multiply
   const char* fp8_path;    // how FP8 codes are decoded and multiplied
   long emulated_tile_products = -1;  // the test-only emulated AMX build: tile products run so far
 };
