@@ -77,6 +77,7 @@ CASES = [
     ("INT4", 600, 40, 128, 32),
     ("INT4", 13, 31, 192, 64),
     ("INT4", 64, 48, 512, 32),
+    ("INT8", 9, 24, 1002, 0),  # int16 activations: a run of 512 inputs, then a part run
 ]
 
 
