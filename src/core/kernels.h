@@ -30,9 +30,10 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 // block_sums[b] = sum of values[32b .. 32b + 31] (the kernels subtract their weight offset times it).
 // By default each activation row is held by TWO such rows (parts): the row, and what it leaves
 // (x - scale * values, at most half a step) at 1/256 of its scale. The GEMMs multiply both like
-// any two rows (or, the 4-bit tiles, add their integer sums as 256 * row + residual) and the
-// engine adds their outputs: x is then held to about 1/65000 of its largest magnitude, so a few
-// outlier channels no longer round the rest of the row away.
+// any two rows (the 4-bit tiles add their integer sums as 256 * row + residual; without vpdpbusd
+// the two are multiplied as the one int16 row 256 q + r: int_tiles.h) and the engine adds their
+// outputs: x is then held to about 1/65000 of its largest magnitude, so a few outlier channels no
+// longer round the rest of the row away.
 constexpr int kActivationBlock = 32;
 constexpr float kResidualSteps = 256.0f;
 struct QuantizedRows {
