@@ -256,15 +256,20 @@ struct IntTiles {
           Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
           if (w.zeros != nullptr)
             for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
+          // With P = 2 the residual's sums start at minus the offset times 256 * sum(row) +
+          // sum(residual), the row's at 0 (a zero idiom): one broadcast per token, not two.
           Int part[M][P][kVecs];
           KT_UNROLL
-          for (int i = 0; i < M; ++i)
-            for (int p = 0; p < P; ++p) {
-              const int32_t sum = quantized_sum(x[i].part[p], s * inputs_per_scale, inputs_per_scale);
-              const Int offset = V::set1(-FourBit::kOffset * sum);
-              for (int v = 0; v < kVecs; ++v)
-                part[i][p][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(-sum)) : offset;
+          for (int i = 0; i < M; ++i) {
+            int32_t sum = 0;
+            for (int p = 0; p < P; ++p)
+              sum = 256 * sum + quantized_sum(x[i].part[p], s * inputs_per_scale, inputs_per_scale);
+            const Int offset = V::set1(-FourBit::kOffset * sum);
+            for (int v = 0; v < kVecs; ++v) {
+              if constexpr (P == 2) part[i][0][v] = V::set1(0);
+              part[i][P - 1][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], V::set1(-sum)) : offset;
             }
+          }
           // A do-while (a scale group holds at least one line): GCC 12 keeps the sums of a loop that
           // may run zero times in memory, stored and reloaded around it (avx512, one core, in cache:
           // INT4 +6 %).
