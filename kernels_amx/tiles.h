@@ -214,7 +214,7 @@ void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size
       if (x.quantized.values != nullptr)
         rest.quantized = {x.quantized.values + size_t(tile_rows) * x.quantized.stride,
                           x.quantized.scales + tile_rows,
-                          x.quantized.block_sums + size_t(tile_rows) * x.quantized.stride / kActivationBlock,
+                          x.quantized.running_sums + size_t(tile_rows) * running_sums_per_row(x.quantized.stride),
                           x.quantized.stride, x.quantized.parts};
     }
     fallback(rest, w, y + size_t(tile_rows) * y_stride);

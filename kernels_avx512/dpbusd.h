@@ -38,7 +38,7 @@ template <class FourBit>
 void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   using Tiles = IntTiles<Vec, DpbusdDot, FourBit>;
   if (x.rows <= kFewRows)
-    gemm_tiled_parts<Tiles::template FourBitTile, kFewRows, kFewRowsGroups, 1>(x, w, y, y_stride);
+    Tiles::template gemm_four_bit_rows<kFewRows, kFewRowsGroups>(x, w, y, y_stride);
   else
     Tiles::template gemm_four_bit<kInt4Rows, kInt4Groups, kPairTokens, kPairGroups>(x, w, y, y_stride);
 }

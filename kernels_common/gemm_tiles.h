@@ -141,6 +141,8 @@ void gemm_tiled_quantized(const Activations& x, const PackedGroups& w, float* y,
 template <int P>
 struct QuantizedParts {
   QuantizedRow part[P];
+  // Per scale group, where the last part's integer sums start (IntTiles::gemm_tokens).
+  const int32_t* group_starts = nullptr;
 };
 
 // Where a GEMM took each row and its residual together (x.quantized.parts == 2) and wrote the
@@ -150,25 +152,9 @@ inline void zero_residual_outputs(const Activations& x, const PackedGroups& w, f
     std::memset(y + size_t(i) * y_stride, 0, size_t(w.groups) * kGroupRows * sizeof(float));
 }
 
-// The 4-bit tiles on tokens of P rows each. With P = 2 (x.quantized.parts == 2, kernels.h) a
-// token's whole result goes into its first row's output and zeros into the residual's: the engine
-// adds the two as it does for every integer GEMM.
-template <template <int, int> class Tile, int MaxM, int NV, int P>
-void gemm_tiled_parts(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  const auto parts_of = [&](int i) {
-    QuantizedParts<P> token;
-    for (int p = 0; p < P; ++p) token.part[p] = x.quantized_row(P * i + p);
-    return token;
-  };
-  gemm_tiled<Tile, MaxM, NV, QuantizedParts<P>>(parts_of, x.rows / P, w, y, P * y_stride);
-  if (P == 2) zero_residual_outputs(x, w, y, y_stride);
-}
-
 // The sum of a quantized row's values over inputs [first, first + count), both multiples of 32.
 inline int32_t quantized_sum(const QuantizedRow& row, int first, int count) {
-  int32_t sum = 0;
-  for (int b = first / kActivationBlock; b < (first + count) / kActivationBlock; ++b) sum += row.block_sums[b];
-  return sum;
+  return row.running_sums[(first + count) / kActivationBlock] - row.running_sums[first / kActivationBlock];
 }
 
 // The two bf16 activations x[2p], x[2p+1] as one 32-bit lane (low half = even input).

@@ -107,13 +107,13 @@ void QuantizedBuffer::reserve(int rows, int k) {
   const size_t quantized_rows = size_t(rows) * parts;
   values.reserve(quantized_rows * stride);
   scales.reserve(quantized_rows);
-  block_sums.reserve(quantized_rows * stride / kActivationBlock);
+  running_sums.reserve(quantized_rows * running_sums_per_row(stride));
 }
 
 void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, const FormatTraits& format) {
   auto out = [&](size_t quantized_row) {
     return QuantizedRowOut{values.data() + quantized_row * stride, scales.data() + quantized_row,
-                           block_sums.data() + quantized_row * stride / kActivationBlock};
+                           running_sums.data() + quantized_row * running_sums_per_row(stride)};
   };
   const size_t first = size_t(row) * parts;
   const QuantizedRowOut residual = out(first + 1);
@@ -125,7 +125,7 @@ void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, const FormatTrai
 QuantizedRows QuantizedBuffer::view(int first_row) const {
   const size_t first = size_t(first_row) * parts;
   return {values.data() + first * stride, scales.data() + first,
-          block_sums.data() + first * stride / kActivationBlock, stride, parts};
+          running_sums.data() + first * running_sums_per_row(stride), stride, parts};
 }
 
 void sum_parts(float* y, int rows, int parts, int cols, size_t stride) {

@@ -63,7 +63,7 @@ struct SourceProjection {
 struct QuantizedBuffer {
   AlignedBuffer<int8_t> values;
   AlignedBuffer<float> scales;
-  AlignedBuffer<int32_t> block_sums;
+  AlignedBuffer<int32_t> running_sums;
   size_t stride = 0;
   int parts = 2;
 

@@ -27,7 +27,9 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 // Activation rows quantized for the kernels that multiply in integers (all but BF16), one scale
 // per row:
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
-// block_sums[b] = sum of values[32b .. 32b + 31] (the kernels subtract their weight offset times it).
+// running_sums[b] = sum of values[0 .. 32b), b = 0 .. stride / 32 (the kernels subtract their weight
+// offset times a scale group's sum: one subtraction, where a sum of its blocks was a loop per row
+// and group). Even 256 x a row's + its residual's fits int32: 257 x 127 x kInt8MaxK < 2^31.
 // By default each activation row is held by TWO such rows (parts): the row, and what it leaves
 // (x - scale * values, at most half a step) at 1/256 of its scale. The GEMMs multiply both like
 // any two rows (the 4-bit tiles add their integer sums as 256 * row + residual; without vpdpbusd
@@ -36,10 +38,11 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 // longer round the rest of the row away.
 constexpr int kActivationBlock = 32;
 constexpr float kResidualSteps = 256.0f;
+inline size_t running_sums_per_row(size_t stride) { return stride / kActivationBlock + 1; }
 struct QuantizedRows {
   const int8_t* values = nullptr;  // [row][stride]
   const float* scales = nullptr;   // [row]
-  const int32_t* block_sums = nullptr;  // [row][stride / kActivationBlock]
+  const int32_t* running_sums = nullptr;  // [row][running_sums_per_row(stride)]
   size_t stride = 0;
   int parts = 1;  // 2: rows 2t, 2t + 1 are a row and its residual
 };
@@ -47,15 +50,16 @@ struct QuantizedRows {
 // One quantized row, as the integer tiles take it.
 struct QuantizedRow {
   const int8_t* values;
-  const int32_t* block_sums;
+  const int32_t* running_sums;
   float scale;
 };
 
-// Where quantize_activation_row writes one row: values [stride], its scale, block sums [stride / 32].
+// Where quantize_activation_row writes one row: values [stride], its scale, running sums
+// [running_sums_per_row(stride)].
 struct QuantizedRowOut {
   int8_t* values;
   float* scale;
-  int32_t* block_sums;
+  int32_t* running_sums;
 };
 
 // x (bf16, k values) -> one quantized row, and with `residual` also the row of what it leaves.
@@ -79,7 +83,7 @@ struct Activations {
   QuantizedRow quantized_row(int i) const {
     const size_t r = index(i);
     return {quantized.values + r * quantized.stride,
-            quantized.block_sums + r * (quantized.stride / kActivationBlock), quantized.scales[r]};
+            quantized.running_sums + r * running_sums_per_row(quantized.stride), quantized.scales[r]};
   }
 };
 

@@ -19,11 +19,12 @@ void order_octets_for_mxfp4(int8_t* values, int count) {
 
 namespace {
 
-void sum_blocks(const int8_t* values, int stride, int32_t* block_sums) {
+void sum_running(const int8_t* values, int stride, int32_t* running_sums) {
+  running_sums[0] = 0;
   for (int b = 0; b < stride / kActivationBlock; ++b) {
     int32_t sum = 0;
     for (int c = 0; c < kActivationBlock; ++c) sum += values[b * kActivationBlock + c];
-    block_sums[b] = sum;
+    running_sums[b + 1] = running_sums[b] + sum;
   }
 }
 
@@ -40,7 +41,7 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
   const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
   for (int c = 0; c < k; ++c) row.values[c] = int8_t(std::nearbyint(bf16_to_float(x[c]) * inverse));
   std::memset(row.values + k, 0, stride - k);
-  sum_blocks(row.values, stride, row.block_sums);
+  sum_running(row.values, stride, row.running_sums);
   if (residual == nullptr) return;
   // What the row leaves, |x - scale * q| <= scale / 2, in steps of scale / 256 (a power of two:
   // the 4-bit tiles add 256 x the row's sums to the residual's; 128 steps clamp to 127). The
@@ -55,7 +56,7 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
     rest_values[c] = int8_t(std::clamp(int(std::nearbyint(rest * residual_inverse)), -127, 127));
   }
   std::memset(residual->values + k, 0, stride - k);
-  sum_blocks(residual->values, stride, residual->block_sums);
+  sum_running(residual->values, stride, residual->running_sums);
 }
 
 KT_NAMESPACE_END
