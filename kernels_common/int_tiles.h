@@ -310,9 +310,6 @@ struct IntTiles {
   template <int M, int NV>
   using PairedFourBitTile = typename FourBitParts<2>::template Tile<M, NV>;
 
-  // A 4-bit GEMM: tiles of MaxPairs tokens x PairNV groups where x holds rows and residuals and
-  // their sums fit, else of MaxM rows x NV groups. A token's whole result goes into its row's
-  // output and zeros into its residual's: the engine adds the two as for every integer GEMM.
   // A 4-bit GEMM on `tokens` tokens of P rows each (rows_of(t) -> QuantizedParts<P>): each token's
   // group starts are computed once per call into `starts` (tokens x scale groups int32): minus the
   // weight offset times the sum of the token's activations over the scale group, taken as
@@ -356,7 +353,8 @@ struct IntTiles {
   }
 
   // A 4-bit GEMM: tiles of MaxPairs tokens x PairNV groups where x holds rows and residuals and
-  // their sums fit, else of MaxM rows x NV groups.
+  // their sums fit, else of MaxM rows x NV groups. A token's whole result goes into its row's
+  // output and zeros into its residual's: the engine adds the two as for every integer GEMM.
   template <int MaxM, int NV, int MaxPairs, int PairNV>
   static void gemm_four_bit(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
     if (x.quantized.parts != 2 || !pairs_fit<FourBit>(w)) {

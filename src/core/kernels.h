@@ -131,14 +131,14 @@ struct PackedGroups {
 constexpr int kMxfp4Block = 32;
 // Puts each octet of a quantized activation row (count % 8 == 0) in the packed MXFP4 words' nibble
 // order: inputs {0, 4, 1, 5, 2, 6, 3, 7}. The order stays inside each 32-input block, so the
-// block sums hold.
+// running sums hold.
 void order_octets_for_mxfp4(int8_t* values, int count);
 constexpr int kMxfp4ChunkBytes = 64;
 
 // ---- INT8 and INT4: integer dot products with int8 activations (QuantizedRows) --------------
 // Weights are stored UNSIGNED, INT8 as q + 128 and INT4 as q + 8, so that one u8 x s8 dot product
 // serves every ISA (vpdpbusd, AMX tdpbsud, vpmaddwd / vpmaddubsw); the kernels subtract the offset
-// times the activations' block sums. Sums stay exact in int32 (INT8 needs k <= kInt8MaxK).
+// times the activations' sums (running_sums). Sums stay exact in int32 (INT8 needs k <= kInt8MaxK).
 // INT8: per group, per input quad j (inputs 4j..4j+3), one 64-byte line: row r at bytes 4r..4r+3
 // (zero weights pad k to a multiple of 4; zero activations make the padding harmless). Scales: per
 // group 16 floats, y = x_scale * row_scale * (dot - 128 * sum(x)).
@@ -147,7 +147,8 @@ constexpr int kMxfp4ChunkBytes = 64;
 // (and a shift) yields two INT8-layout quads. Scales: per group, per G inputs, 16 floats.
 // INT4 zero points (asymmetric checkpoints, GPTQ): the canonical offset z' (int8, -8..8) of a row's
 // G inputs makes its weights (q - z') * s; packed as the zero point z' + 8 of the stored nibbles,
-// per group, per G inputs, 16 int32, which the kernels subtract times the block sums instead of 8.
+// per group, per G inputs, 16 int32, which the kernels subtract times the activations' sums
+// instead of 8.
 constexpr int kInt8Offset = 128, kInt4Offset = 8;
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
