@@ -68,7 +68,8 @@ struct FmaTile {
   }
 };
 
-// FP8 (fp8_tiles.h): decoded weight lines widened like the BF16 ones, on the widened rows.
+// FP8 (fp8_tiles.h): decoded weight lines widened like the BF16 ones, on the widened rows; the
+// stack keeps them widened.
 struct FmaFp8 : Vec {
   using Row = const float*;
   struct Line {
@@ -77,9 +78,13 @@ struct FmaFp8 : Vec {
   using Act = Line;
   using Bits = __m256i;
   static Bits decode_bits(const uint8_t* codes) { return decode_fp8_line(codes); }
-  static Bits load_bits(const bf16_t* line) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(line)); }
-  static void store_bits(bf16_t* line, Bits bits) { _mm256_store_si256(reinterpret_cast<__m256i*>(line), bits); }
   static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  using Stored = float;
+  static void store_line(float* at, Bits, const Line& line) {
+    _mm256_store_ps(at, line.even);
+    _mm256_store_ps(at + kLanes, line.odd);
+  }
+  static Line load_line(const float* at) { return {_mm256_load_ps(at), _mm256_load_ps(at + kLanes)}; }
   static Act act(Row x, int p) { return {_mm256_broadcast_ss(x + 2 * p), _mm256_broadcast_ss(x + 2 * p + 1)}; }
   static Float dot(Float acc, const Line& w, const Act& a) {
     return _mm256_fmadd_ps(a.odd, w.odd, _mm256_fmadd_ps(a.even, w.even, acc));

@@ -133,9 +133,10 @@ struct DpBf16Fp8 : Vec {
   using Act = __m512bh;
   using Bits = __m512i;
   static Bits decode_bits(const uint8_t* codes) { return Decode(codes); }
-  static Bits load_bits(const bf16_t* line) { return _mm512_load_si512(line); }
-  static void store_bits(bf16_t* line, Bits bits) { _mm512_store_si512(line, bits); }
   static Line line_of(Bits bits) { return (__m512bh)bits; }
+  using Stored = bf16_t;
+  static void store_line(bf16_t* at, Bits bits, Line) { _mm512_store_si512(at, bits); }
+  static Line load_line(const bf16_t* at) { return (__m512bh)_mm512_load_si512(at); }
   static Act act(Row x, int p) { return (__m512bh)_mm512_set1_epi32(load_bf16_pair(x + 2 * p)); }
   static Float dot(Float acc, Line w, Act a) { return _mm512_dpbf16_ps(acc, a, w); }
 };
@@ -152,9 +153,14 @@ struct FmaFp8 : Vec {
   using Act = Line;
   using Bits = __m512i;
   static Bits decode_bits(const uint8_t* codes) { return Decode(codes); }
-  static Bits load_bits(const bf16_t* line) { return _mm512_load_si512(line); }
-  static void store_bits(bf16_t* line, Bits bits) { _mm512_store_si512(line, bits); }
   static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  // The stack keeps the lines widened: the later tiles of rows load them as they are.
+  using Stored = float;
+  static void store_line(float* at, Bits, const Line& line) {
+    _mm512_store_ps(at, line.even);
+    _mm512_store_ps(at + kLanes, line.odd);
+  }
+  static Line load_line(const float* at) { return {_mm512_load_ps(at), _mm512_load_ps(at + kLanes)}; }
   static Act act(Row x, int p) { return {_mm512_set1_ps(x[2 * p]), _mm512_set1_ps(x[2 * p + 1])}; }
   static Float dot(Float acc, const Line& w, const Act& a) {
     return _mm512_fmadd_ps(a.odd, w.odd, _mm512_fmadd_ps(a.even, w.even, acc));

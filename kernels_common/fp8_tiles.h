@@ -11,9 +11,11 @@
 // storeu_ps) and:
 //   Row: an activation row handle; Act act(Row x, int p): inputs 2p, 2p + 1 of a row;
 //   Bits decode_bits(const uint8_t* codes): 2 * kLanes packed codes (kLanes rows x one input pair)
-//   as bf16 (a vector of them in the BF16 layout); Bits load_bits(const bf16_t*), store_bits(bf16_t*,
-//   Bits): such a vector in memory; Line line_of(Bits): the operand(s) dot takes;
-//   Float dot(Float acc, const Line&, const Act&): acc + the kLanes rows' products.
+//   as bf16 (a vector of them in the BF16 layout); Line line_of(Bits): the operand(s) dot takes;
+//   Float dot(Float acc, const Line&, const Act&): acc + the kLanes rows' products;
+//   Stored: what the stack driver keeps per weight (bf16_t, or float where the multiply takes fp32:
+//   the later tiles then load each line as it is instead of widening it again); store_line(Stored*,
+//   Bits, const Line&) and Line load_line(const Stored*): one decoded line, 2 * kLanes Stored.
 #pragma once
 
 #include <algorithm>
@@ -32,26 +34,28 @@ struct Fp8Tiles {
   using Float = typename P::Float;
   using Row = typename P::Row;
   static constexpr int kVecsPerGroup = kGroupRows / P::kLanes;
-  static constexpr int kValueBytes = kFromCodes ? 1 : int(sizeof(bf16_t));
+  using Stored = typename P::Stored;
+  static constexpr int kValueBytes = kFromCodes ? 1 : int(sizeof(Stored));
 
   template <int M, int NV>
   struct Tile {
     static constexpr int kVecs = NV * kVecsPerGroup;
 
     // Vector v: group v / kVecsPerGroup, rows (v % kVecsPerGroup) * kLanes onwards. With `store`
-    // (codes only), the decoded line is also written there in the BF16 layout, store_group_elems
-    // bf16 per group.
-    static typename P::Line line(const PackedGroups& w, int v, int p, bf16_t* store, size_t store_group_elems) {
+    // (codes only), the decoded line is also written there (store_line), store_group_elems Stored
+    // per group.
+    static typename P::Line line(const PackedGroups& w, int v, int p, Stored* store, size_t store_group_elems) {
       const int part = v % kVecsPerGroup;
       const size_t offset = size_t(p) * kGroupRows + part * P::kLanes;  // in pairs
       const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kValueBytes;
       if constexpr (kFromCodes) {
         if (part == 0) prefetch_weights(w, v / kVecsPerGroup, at);  // one pair of a group: 32 bytes, one prefetch
         const typename P::Bits bits = P::decode_bits(at);
-        if (store != nullptr) P::store_bits(store + (v / kVecsPerGroup) * store_group_elems + offset * 2, bits);
-        return P::line_of(bits);
+        const typename P::Line decoded = P::line_of(bits);
+        if (store != nullptr) P::store_line(store + (v / kVecsPerGroup) * store_group_elems + offset * 2, bits, decoded);
+        return decoded;
       } else {
-        return P::line_of(P::load_bits(reinterpret_cast<const bf16_t*>(at)));
+        return P::load_line(reinterpret_cast<const Stored*>(at));
       }
     }
     static Float scale(const PackedGroups& w, int v, int block) {
@@ -60,7 +64,7 @@ struct Fp8Tiles {
     }
     // sums[i][v] = the products of input pairs [p0, p1).
     static void block_sums(const Row* x, const PackedGroups& w, int p0, int p1, Float (&sums)[M][kVecs],
-                           bf16_t* store = nullptr) {
+                           Stored* store = nullptr) {
       const size_t store_group_elems = size_t(p1 - p0) * 2 * kGroupRows;
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) sums[i][v] = P::set1_ps(0.0f);
@@ -96,7 +100,7 @@ struct Fp8Tiles {
     }
 
     // w.k inputs under one scale (w.scale_group 0): the stack driver's tile. `store`: see line().
-    static void run_block(const Row* x, const PackedGroups& w, bf16_t* store, float* y, size_t y_stride) {
+    static void run_block(const Row* x, const PackedGroups& w, Stored* store, float* y, size_t y_stride) {
       Float sums[M][kVecs];
       block_sums(x, w, 0, round_up(w.k, 2) / 2, sums, store);
       Float scales[kVecs];  // loaded before the stores to y, which the compiler must assume alias them
@@ -113,7 +117,7 @@ struct Fp8Tiles {
   };
 
   // run_block of Tile<M, NV> for M = 1..MaxM, NV = 1..MaxNV, at [(M - 1) * MaxNV + NV - 1].
-  using BlockFn = void (*)(const Row*, const PackedGroups&, bf16_t*, float*, size_t);
+  using BlockFn = void (*)(const Row*, const PackedGroups&, Stored*, float*, size_t);
   template <int MaxM, int MaxNV, size_t... I>
   static constexpr std::array<BlockFn, sizeof...(I)> block_table(std::index_sequence<I...>) {
     return {{&Tile<int(I / MaxNV) + 1, int(I % MaxNV) + 1>::run_block...}};
@@ -130,11 +134,11 @@ void gemm_fp8_in_registers(RowOf row_of, int rows, const PackedGroups& w, float*
 }
 
 // Many rows: NV groups x one scale block at a time. The first tile of rows decodes the codes as it
-// multiplies and leaves them on the stack (NV x 4 KiB), so the decoding overlaps its multiply-adds; the
-// other tiles of rows read them there.
+// multiplies and leaves them on the stack (NV x 4 KiB as bf16, 8 KiB as fp32), so the decoding
+// overlaps its multiply-adds; the other tiles of rows read them there.
 template <class P, int MaxM, int NV, class RowOf>
 void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_stride) {
-  alignas(64) bf16_t decoded[NV * kGroupRows * kFp8Block];
+  alignas(64) typename P::Stored decoded[NV * kGroupRows * kFp8Block];
   const int block = w.scale_group > 0 ? w.scale_group : kFp8Block;
   const int k_even = round_up(w.k, 2);
   const int row_blocks = ceil_div(rows, MaxM);  // of near-equal size, as gemm_tiled makes them
@@ -146,8 +150,8 @@ void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, s
       const uint8_t* scales = w.scales + size_t(g0) * w.group_scale_bytes + scale_index * kGroupRows * sizeof(float);
       const PackedGroups codes{w.values + size_t(g0) * w.group_bytes + size_t(k0) * kGroupRows, scales,
                                w.group_bytes, w.group_scale_bytes, inputs, groups};
-      const PackedGroups bf16{reinterpret_cast<const uint8_t*>(decoded), scales, size_t(inputs) * kGroupRows * sizeof(bf16_t),
-                              w.group_scale_bytes, inputs, groups};
+      const PackedGroups stored{reinterpret_cast<const uint8_t*>(decoded), scales,
+                                size_t(inputs) * kGroupRows * sizeof(decoded[0]), w.group_scale_bytes, inputs, groups};
       for (int b = 0, i0 = 0; b < row_blocks; ++b) {
         const int mm = ceil_div(rows - i0, row_blocks - b);
         typename P::Row x[MaxM];
@@ -159,7 +163,7 @@ void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, s
                    : Fp8Tiles<P, true, true>::template kBlockTable<MaxM, NV>)[at](x, codes, decoded, y_block, y_stride);
         else
           (k0 == 0 ? Fp8Tiles<P, false>::template kBlockTable<MaxM, NV>
-                   : Fp8Tiles<P, false, true>::template kBlockTable<MaxM, NV>)[at](x, bf16, nullptr, y_block, y_stride);
+                   : Fp8Tiles<P, false, true>::template kBlockTable<MaxM, NV>)[at](x, stored, nullptr, y_block, y_stride);
         i0 += mm;
       }
     }
