@@ -79,6 +79,8 @@ struct FmaFp8 : Vec {
   using Bits = __m256i;
   static Bits decode_bits(const uint8_t* codes) { return decode_fp8_line(codes); }
   static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  static constexpr int kCodeBytes = 1;
+  static constexpr bool kScaled = true;
   using Stored = float;
   static void store_line(float* at, Bits, const Line& line) {
     _mm256_store_ps(at, line.even);
@@ -162,7 +164,7 @@ void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_st
   else if (x.rows == 2)
     gemm_tiled<Fp8ViaF16Tile, 2, 1, const float*>(row, x.rows, w, y, y_stride);
   else
-    gemm_fp8_decoded<FmaFp8, 4, 1>(row, x.rows, w, y, y_stride);
+    gemm_lines_on_stack<FmaFp8, 4, 1>(row, x.rows, w, y, y_stride);
 }
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

@@ -138,7 +138,7 @@ void gemm_fp8_on_widened_rows(const Activations& x, const PackedGroups& w, float
   if (x.rows <= 4)
     gemm_tiled<Fp8LaneTiles<Exact>::template Tile, 4, 2, const float*>(rows, x.rows, w, y, y_stride);
   else
-    gemm_fp8_decoded<FmaFp8<decode_fp8_line<Exact>>, kFmaRows, kFmaGroups>(rows, x.rows, w, y, y_stride);
+    gemm_lines_on_stack<FmaFp8<decode_fp8_line<Exact>>, kFmaRows, kFmaGroups>(rows, x.rows, w, y, y_stride);
 }
 
 }  // namespace avx512

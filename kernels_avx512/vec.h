@@ -134,6 +134,8 @@ struct DpBf16Fp8 : Vec {
   using Bits = __m512i;
   static Bits decode_bits(const uint8_t* codes) { return Decode(codes); }
   static Line line_of(Bits bits) { return (__m512bh)bits; }
+  static constexpr int kCodeBytes = 1;
+  static constexpr bool kScaled = true;
   using Stored = bf16_t;
   static void store_line(bf16_t* at, Bits bits, Line) { _mm512_store_si512(at, bits); }
   static Line load_line(const bf16_t* at) { return (__m512bh)_mm512_load_si512(at); }
@@ -154,6 +156,8 @@ struct FmaFp8 : Vec {
   using Bits = __m512i;
   static Bits decode_bits(const uint8_t* codes) { return Decode(codes); }
   static Line line_of(Bits pairs) { return {even_bf16(pairs), odd_bf16(pairs)}; }
+  static constexpr int kCodeBytes = 1;
+  static constexpr bool kScaled = true;
   // The stack keeps the lines widened: the later tiles of rows load them as they are.
   using Stored = float;
   static void store_line(float* at, Bits, const Line& line) {
@@ -165,6 +169,14 @@ struct FmaFp8 : Vec {
   static Float dot(Float acc, const Line& w, const Act& a) {
     return _mm512_fmadd_ps(a.odd, w.odd, _mm512_fmadd_ps(a.even, w.even, acc));
   }
+};
+
+// The BF16 format on fp32 FMA through the stack driver of fp8_tiles.h (gemm_bf16.cpp): its lines are
+// bf16 as stored, two bytes per weight, and it has no scales.
+inline __m512i load_bf16_line(const uint8_t* line) { return _mm512_load_si512(line); }
+struct FmaBf16 : FmaFp8<load_bf16_line> {
+  static constexpr int kCodeBytes = 2;
+  static constexpr bool kScaled = false;
 };
 
 // The fp32 FMA tiles (gemm_bf16.cpp): rows x 16-column groups of zmm accumulators.

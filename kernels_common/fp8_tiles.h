@@ -4,7 +4,8 @@
 //    stay in registers and are scaled there;
 //  - many rows (prefill): per few groups x one scale block, the first tile of rows decodes the codes
 //    as it multiplies and leaves them on the stack, the other tiles of rows read them there; each
-//    adds its scaled product of the block to y.
+//    adds its scaled product of the block to y. The avx512 BF16 format on fp32 FMA takes this
+//    driver too: its "codes" are its bf16 values, which the later tiles then read widened.
 //
 // P (one bf16 multiply path of a build: vdpbf16ps, or fp32 FMA on widened bf16) provides the vector
 // traits of int_tiles.h that the tiles use (Float, kLanes, load_ps, loadu_ps, set1_ps, fmadd, mul,
@@ -13,6 +14,7 @@
 //   Bits decode_bits(const uint8_t* codes): 2 * kLanes packed codes (kLanes rows x one input pair)
 //   as bf16 (a vector of them in the BF16 layout); Line line_of(Bits): the operand(s) dot takes;
 //   Float dot(Float acc, const Line&, const Act&): acc + the kLanes rows' products;
+//   kCodeBytes: bytes per weight in w.values (FP8 1, BF16 2); kScaled: whether w has scale blocks;
 //   Stored: what the stack driver keeps per weight (bf16_t, or float where the multiply takes fp32:
 //   the later tiles then load each line as it is instead of widening it again); store_line(Stored*,
 //   Bits, const Line&) and Line load_line(const Stored*): one decoded line, 2 * kLanes Stored.
@@ -35,7 +37,7 @@ struct Fp8Tiles {
   using Row = typename P::Row;
   static constexpr int kVecsPerGroup = kGroupRows / P::kLanes;
   using Stored = typename P::Stored;
-  static constexpr int kValueBytes = kFromCodes ? 1 : int(sizeof(Stored));
+  static constexpr int kLineBytesPerWeight = kFromCodes ? P::kCodeBytes : int(sizeof(Stored));
 
   template <int M, int NV>
   struct Tile {
@@ -47,7 +49,7 @@ struct Fp8Tiles {
     static typename P::Line line(const PackedGroups& w, int v, int p, Stored* store, size_t store_group_elems) {
       const int part = v % kVecsPerGroup;
       const size_t offset = size_t(p) * kGroupRows + part * P::kLanes;  // in pairs
-      const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kValueBytes;
+      const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kLineBytesPerWeight;
       if constexpr (kFromCodes) {
         if (part == 0) prefetch_weights(w, v / kVecsPerGroup, at);  // one pair of a group: 32 bytes, one prefetch
         const typename P::Bits bits = P::decode_bits(at);
@@ -104,7 +106,7 @@ struct Fp8Tiles {
       Float sums[M][kVecs];
       block_sums(x, w, 0, round_up(w.k, 2) / 2, sums, store);
       Float scales[kVecs];  // loaded before the stores to y, which the compiler must assume alias them
-      for (int v = 0; v < kVecs; ++v) scales[v] = scale(w, v, 0);
+      for (int v = 0; v < kVecs; ++v) scales[v] = P::kScaled ? scale(w, v, 0) : P::set1_ps(1.0f);
       for (int i = 0; i < M; ++i)
         for (int v = 0; v < kVecs; ++v) {
           float* out = y + i * y_stride + v * P::kLanes;
@@ -137,7 +139,7 @@ void gemm_fp8_in_registers(RowOf row_of, int rows, const PackedGroups& w, float*
 // multiplies and leaves them on the stack (NV x 4 KiB as bf16, 8 KiB as fp32), so the decoding
 // overlaps its multiply-adds; the other tiles of rows read them there.
 template <class P, int MaxM, int NV, class RowOf>
-void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_stride) {
+void gemm_lines_on_stack(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_stride) {
   alignas(64) typename P::Stored decoded[NV * kGroupRows * kFp8Block];
   const int block = w.scale_group > 0 ? w.scale_group : kFp8Block;
   const int k_even = round_up(w.k, 2);
@@ -147,8 +149,9 @@ void gemm_fp8_decoded(RowOf row_of, int rows, const PackedGroups& w, float* y, s
     for (int k0 = 0; k0 < k_even; k0 += block) {
       const int inputs = std::min(block, k_even - k0);  // even
       const int scale_index = w.scale_group > 0 ? k0 / w.scale_group : 0;
-      const uint8_t* scales = w.scales + size_t(g0) * w.group_scale_bytes + scale_index * kGroupRows * sizeof(float);
-      const PackedGroups codes{w.values + size_t(g0) * w.group_bytes + size_t(k0) * kGroupRows, scales,
+      const uint8_t* scales =
+          P::kScaled ? w.scales + size_t(g0) * w.group_scale_bytes + scale_index * kGroupRows * sizeof(float) : nullptr;
+      const PackedGroups codes{w.values + size_t(g0) * w.group_bytes + size_t(k0) * kGroupRows * P::kCodeBytes, scales,
                                w.group_bytes, w.group_scale_bytes, inputs, groups};
       const PackedGroups stored{reinterpret_cast<const uint8_t*>(decoded), scales,
                                 size_t(inputs) * kGroupRows * sizeof(decoded[0]), w.group_scale_bytes, inputs, groups};
@@ -177,7 +180,7 @@ void gemm_fp8(RowOf row_of, int rows, const PackedGroups& w, float* y, size_t y_
   if (rows <= Few)
     gemm_fp8_in_registers<P, Few, FewGroups>(row_of, rows, w, y, y_stride);
   else
-    gemm_fp8_decoded<P, Many, ManyGroups>(row_of, rows, w, y, y_stride);
+    gemm_lines_on_stack<P, Many, ManyGroups>(row_of, rows, w, y, y_stride);
 }
 
 KT_NAMESPACE_END
