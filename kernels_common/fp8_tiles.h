@@ -51,7 +51,7 @@ struct Fp8Tiles {
       const size_t offset = size_t(p) * kGroupRows + part * P::kLanes;  // in pairs
       const uint8_t* at = w.values + (v / kVecsPerGroup) * w.group_bytes + offset * 2 * kLineBytesPerWeight;
       if constexpr (kFromCodes) {
-        if (part == 0) prefetch_weights(w, v / kVecsPerGroup, at);  // one pair of a group: 32 bytes, one prefetch
+        if (part == 0) prefetch_weights(w, v / kVecsPerGroup, at);  // one pair of a group (FP8 32 bytes, BF16 64): one prefetch
         const typename P::Bits bits = P::decode_bits(at);
         const typename P::Line decoded = P::line_of(bits);
         if (store != nullptr) P::store_line(store + (v / kVecsPerGroup) * store_group_elems + offset * 2, bits, decoded);
