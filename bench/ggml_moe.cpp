@@ -7,6 +7,10 @@
 //   g++ -O2 -std=c++17 bench/ggml_moe.cpp -Iggml/include -Lggml-build/src -lggml -lggml-cpu -lggml-base -lpthread -o ggml_moe
 //   ./ggml_moe q4_0 1 12 6 100 [cache_clear_mib]
 //
+// For the AVX2-only comparison, configure ggml with -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
+// -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF instead of -DGGML_NATIVE=ON (and
+// -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF for the tree vendored by the sdist, which lacks them).
+//
 // Arguments: weight type (q4_0, mxfp4, q8_0, bf16), tokens T, layers L, weight sets S, steps. The
 // shape is qwen3-30b's (E=128, K=8, H=2048, I=768); 2 threads on a persistent ggml threadpool (the
 // calling thread is one of them). Each layer is llama.cpp's MoE graph (build_moe_ffn): mul_mat_id
