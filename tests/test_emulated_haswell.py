@@ -45,7 +45,7 @@ for method in ("INT8", "INT4"):
     ref = reference_forward(p)
     out = moe.forward(p.hidden, p.ids, p.weights).double()
     assert ((out - ref).norm() / ref.norm()).item() < 0.005, method
-# FP8: one token per expert decodes the codes through fp16 (F16C), nine tokens through bf16. Scales
+# FP8: up to four rows per expert decode the codes in registers, more through bf16 on the stack. Scales
 # are powers of two, so the stored weights are bf16 numbers, as reference_forward takes them.
 for tokens in (1, 9):
     p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=tokens)
