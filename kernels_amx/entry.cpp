@@ -1,5 +1,6 @@
 // The amx build's kernel interface (kernels.h): the AVX512 paths (kernels_avx512/paths.cpp) with
-// every format replaced by a tile GEMM, which falls back to those paths below its tile sizes.
+// every format but MXFP4 replaced by a tile GEMM, which falls back to those paths below its tile
+// sizes. MXFP4 keeps the AVX512 kernel: faster on AMX hardware (gemm_four_bit.cpp).
 #include <string>
 
 #include "kernels_avx512/vec.h"
@@ -22,7 +23,6 @@ Kernels with_tiles() {
   table.bf16 = amx::gemm_bf16;
   table.int8 = amx::gemm_int8;
   table.int4 = amx::gemm_int4;
-  table.mxfp4 = amx::gemm_mxfp4;
   table.fp8 = gemm_fp8;
   return table;
 }
@@ -42,16 +42,12 @@ KernelInfo kernel_info() {
   static const std::string fp8 =
       std::string("amx_bf16 tiles on decoded weights (blocks of 32 rows), else ") + avx512::paths_info().fp8_path;
   static const std::string int8 = std::string("INT8: amx_int8 tiles (blocks of 32 rows, k % 64 == 0); INT4: amx_int8 "
-                                              "tiles on widened nibbles (blocks of 32 rows); else ") +
+                                              "tiles on widened nibbles (blocks of 32 rows, groups of 128 inputs); else ") +
                                   avx512::paths_info().int8_path;
-  static const std::string mxfp4 =
-      std::string("amx_int8 tiles on codes widened to 2v + 12 (blocks of 32 rows), else ") +
-      avx512::paths_info().mxfp4_path;
   KernelInfo info = avx512::paths_info();
   info.isa = "amx";
   info.bf16_path = bf16.c_str();
   info.int8_path = int8.c_str();
-  info.mxfp4_path = mxfp4.c_str();
   info.fp8_path = fp8.c_str();
 #ifdef KT_AMX_EMULATED
   info.emulated_tile_products = amx::EmulatedTiles::products;

@@ -17,7 +17,7 @@ constexpr int kInputsPerTile = 2 * kTileRows;
 // y[0:32][0:32] for 32 contiguous activation rows (row stride x_bytes) and groups g, g+1.
 void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const uint8_t* group1, int k, float* y,
                 size_t y_stride) {
-  block_product(x, x_bytes, group0, group1, size_t(k) * sizeof(bf16_t), kTileBytes, block_dots_bf16);
+  block_product(x, x_bytes, group0, group1, size_t(k) * sizeof(bf16_t), block_dots_bf16);
   store_block(y, y_stride * sizeof(float));
 }
 
@@ -26,7 +26,7 @@ void tile_block(const uint8_t* x, size_t x_bytes, const uint8_t* group0, const u
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().bf16(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
-  tiles_and_edges(x, w, y, y_stride, TileConfig(), [&](int tile_rows, int tile_groups) {
+  tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
     // Tiles load rows with one stride: gather routed rows into a contiguous block first.
     const bf16_t* rows = x.base;
     size_t row_elems = x.stride;

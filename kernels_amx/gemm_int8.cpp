@@ -16,7 +16,7 @@ constexpr int kInputsPerTile = 64;
 
 // sums[0:32][0:32] for 32 contiguous quantized rows (row stride x_bytes) and groups g, g+1.
 void tile_block(const int8_t* x, size_t x_bytes, const uint8_t* group0, const uint8_t* group1, int k, int32_t* sums) {
-  block_product(x, x_bytes, group0, group1, k, kTileBytes, block_dots_s8u8);
+  block_product(x, x_bytes, group0, group1, k, block_dots_s8u8);
   store_block(sums, 2 * kGroupRows * sizeof(int32_t));
 }
 
@@ -25,7 +25,7 @@ void tile_block(const int8_t* x, size_t x_bytes, const uint8_t* group0, const ui
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) { avx512::paths().int8(xs, ws, ys, y_stride); };
   if (w.k % kInputsPerTile != 0) return avx512(x, w, y);
-  tiles_and_edges(x, w, y, y_stride, TileConfig(), [&](int tile_rows, int tile_groups) {
+  tiles_and_edges(x, w, y, y_stride, [&](int tile_rows, int tile_groups) {
     const TileRows rows = quantized_tile_rows(x, tile_rows, w.k);
     alignas(64) int32_t sums[kBlockRows][kBlockGroups * kGroupRows];
     for (int g = 0; g < tile_groups; g += kBlockGroups) {

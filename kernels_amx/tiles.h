@@ -20,25 +20,21 @@ namespace amx {
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 // The flops of `iterations` rounds of tdpbf16ps on the calling thread (0 on emulated tiles).
 double tile_bf16_peak_probe(int64_t iterations);
 
 constexpr int kTileRows = 16;   // rows of the C and A tiles
 constexpr int kTileBytes = 64;  // bytes per row: 16 fp32, or 32 bf16 (16 pairs)
 
-// Palette 1: tiles 0-3 (C) 16 rows x 64 bytes; 4-5 (A) 16 rows x a_bytes; 6-7 (B) a_bytes / 4 rows x
-// 64 bytes. a_bytes < 64 gives tile products over fewer inputs (the 4-bit formats' 32-input scale
-// groups).
+// Palette 1: tiles 0-3 (C), 4-5 (A) and 6-7 (B), each 16 rows x 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  constexpr TileConfig() : TileConfig(kTileBytes) {}
-  constexpr explicit TileConfig(int a_bytes) {
+  constexpr TileConfig() {
     for (int t = 0; t < 8; ++t) {
-      colsb[t] = uint16_t(t == 4 || t == 5 ? a_bytes : kTileBytes);
-      rows[t] = uint8_t(t >= 6 ? a_bytes / 4 : kTileRows);
+      colsb[t] = kTileBytes;
+      rows[t] = kTileRows;
     }
   }
 };
@@ -137,18 +133,17 @@ inline TileRows quantized_tile_rows(const Activations& x, int rows, int k) {
 }
 
 // The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) = the sum over
-// steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, `step` bytes of each per step, `bytes`
-// in all) times B (tiles 6, 7 from b0, b1: 16 bytes per A byte, step / 4 rows of 64 bytes per step).
-// `dots()` runs the four tile products (block_dots_*).
+// steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, 64 bytes of each per step, `bytes` in
+// all) times B (tiles 6, 7 from b0, b1: 16 rows of 64 bytes per step). `dots()` runs the four tile
+// products (block_dots_*).
 template <class Dots>
-void block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, size_t step,
-                   Dots dots) {
+void block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots) {
   const uint8_t* a = static_cast<const uint8_t*>(x);
   KT_TILE_ZERO(0);
   KT_TILE_ZERO(1);
   KT_TILE_ZERO(2);
   KT_TILE_ZERO(3);
-  for (size_t offset = 0; offset < bytes; offset += step) {
+  for (size_t offset = 0; offset < bytes; offset += kTileBytes) {
     KT_TILE_LOAD(4, a + offset, x_bytes);
     KT_TILE_LOAD(5, a + kTileRows * x_bytes + offset, x_bytes);
     KT_TILE_LOAD(6, b0 + kTileRows * offset, kTileBytes);
@@ -181,17 +176,17 @@ inline void store_block(void* out, size_t out_bytes) {
 }
 
 // The tile kernels cover blocks of kBlockRows activation rows x kBlockGroups groups; `tiles(rows,
-// groups)` runs them, with the tiles configured by `config`, on the largest such block of x and w,
+// groups)` runs them, with the tiles configured, on the largest such block of x and w,
 // `fallback(x, w, y)` (the AVX512 kernel) on what is left: the last odd group of the tiled rows, and
 // the rows below a whole block.
 constexpr int kBlockRows = 2 * kTileRows, kBlockGroups = 2;
 
 template <class Tiles, class Fallback>
-void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, const TileConfig& config,
-                     Tiles tiles, Fallback fallback) {
+void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size_t y_stride, Tiles tiles,
+                     Fallback fallback) {
   const int tile_rows = x.rows / kBlockRows * kBlockRows, tile_groups = w.groups / kBlockGroups * kBlockGroups;
   if (tile_rows == 0 || tile_groups == 0) return fallback(x, w, y);
-  configure_tiles(config);
+  configure_tiles(TileConfig());
   tiles(tile_rows, tile_groups);
   release_tiles();
   if (tile_groups < w.groups) {
