@@ -257,7 +257,8 @@ void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_st
   // Up to four rows of normal codes: Fp8BytesTile (one core, 768 x 2048 in cache, GOP/s against the
   // tiles below: 1 row 26-27 vs 23-26, 2 rows 41 vs 40-43, 3 rows 49-50 vs 41-42). Else one row:
   // 1 x 2 tiles, eight sums; two: 2 x 1 tiles. More rows: the stack, where each code is decoded once
-  // per tile of rows and read back as fp32.
+  // per tile of rows and read back as fp32, in tiles of kRows x kGroups like the BF16 ones (one core,
+  // in cache, GOP/s at 5 / 9 / 128 rows: 54 / 62 / 76 against 44 / 53 / 74 with 4 x 1 tiles).
   if (x.rows <= 4 && fp8_codes_look_normal(w)) {
     if (x.rows <= 2)
       gemm_tiled<Fp8BytesTile, 2, 2, const float*>(row, x.rows, w, y, y_stride);
@@ -268,7 +269,7 @@ void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_st
   else if (x.rows == 2)
     gemm_tiled<Fp8ViaF16Tile, 2, 1, const float*>(row, x.rows, w, y, y_stride);
   else
-    gemm_lines_on_stack<FmaFp8, 4, 1>(row, x.rows, w, y, y_stride);
+    gemm_lines_on_stack<FmaFp8, kRows, kGroups>(row, x.rows, w, y, y_stride);
 }
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
