@@ -114,10 +114,16 @@ void ThreadPool::spawn(uint64_t first_ticket) {
   Workers& w = *workers_;
   w.threads.reserve(threads_);
   std::vector<int> errors(threads_, 0);
+  // Workers that spin for the next job: all but one when they would fill every CPU this process may
+  // use, so the caller, woken at the end of a call, finds a CPU without waiting for a spinner.
+  const int usable = int(cpus_.empty() ? this_thread_cpus().size() : cpus_.size());
+  const int spinning = usable > 0 && threads_ >= usable ? std::max(1, usable - 1) : threads_;
   try {
     for (int i = 0; i < threads_; ++i) {
       try {
-        w.threads.emplace_back([&w, i, count = threads_, first_ticket] { worker_main(w, i, count, first_ticket); });
+        w.threads.emplace_back([&w, i, count = threads_, first_ticket, spinning] {
+          worker_main(w, i, count, first_ticket, i < spinning);
+        });
       } catch (const std::system_error& error) {
         throw std::system_error(error.code(), "cannot start worker thread " + std::to_string(i + 1) + " of " +
                                                   std::to_string(threads_));
@@ -214,10 +220,10 @@ void ThreadPool::notify_done() {
   w.job_finished.notify_all();
 }
 
-void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ticket) {
+void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ticket, bool spins) {
   for (uint64_t next = first_ticket;; ++next) {
     auto ready = [&] { return w.submitted.load(std::memory_order_acquire) > next; };
-    if (!spin_until(ready, Spin::kPause)) {
+    if (!ready() && !(spins && spin_until(ready, Spin::kPause))) {
       w.asleep.fetch_add(1, std::memory_order_relaxed);
       std::unique_lock<std::mutex> lock(w.mutex);
       w.job_posted.wait(lock, [&] { return w.stopping || ready(); });

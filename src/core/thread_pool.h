@@ -88,7 +88,7 @@ class ThreadPool {
   // wait() and its variants: `done` may be null; lost_throws: a job lost at a fork is an error.
   void wait_for(Ticket ticket, const std::atomic<bool>* done, bool lost_throws);
   static void stop(Workers& workers);
-  static void worker_main(Workers& workers, int index, int count, uint64_t first_ticket);
+  static void worker_main(Workers& workers, int index, int count, uint64_t first_ticket, bool spins);
 
   static constexpr uint64_t kNoWorkers = ~uint64_t(0);  // a failed spawn: never a fork generation
 
