@@ -157,10 +157,12 @@ def test_async_equals_sync_and_threads_agree():
     submitted = two.sync_forward(p.hidden)
     one = make_wrapper(p, threads=1).forward(p.hidden, p.ids, p.weights)
     three = make_wrapper(p, threads=3).forward(p.hidden, p.ids, p.weights)
+    six = make_wrapper(p, threads=6).forward(p.hidden, p.ids, p.weights)  # pools over 4: 64-row tasks
     # Every output element is computed by exactly one task in a fixed order: bitwise equal.
     assert torch.equal(synced, submitted)
     assert torch.equal(synced, one)
     assert torch.equal(synced, three)
+    assert torch.equal(synced, six)
 
 
 def test_repeated_calls_with_fresh_routing():

@@ -199,6 +199,7 @@ class MoEEngine {
   const EngineOptions options_;
   const bool quantized_activations_;  // format_.quantized_activations()
   int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
+  int block_groups_ = 4, block_cols_ = 4 * kGroupRows;  // weight groups (and rows) per task
   bool pending_ = false;
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
   ThreadPool::Ticket job_ = 0;  // the pool's job of the last call that used the pool
