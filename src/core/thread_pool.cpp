@@ -223,7 +223,7 @@ void ThreadPool::notify_done() {
 void ThreadPool::worker_main(Workers& w, int index, int count, uint64_t first_ticket, bool spins) {
   for (uint64_t next = first_ticket;; ++next) {
     auto ready = [&] { return w.submitted.load(std::memory_order_acquire) > next; };
-    if (!ready() && !(spins && spin_until(ready, Spin::kPause))) {
+    if (!(spins ? spin_until(ready, Spin::kPause) : ready())) {
       w.asleep.fetch_add(1, std::memory_order_relaxed);
       std::unique_lock<std::mutex> lock(w.mutex);
       w.job_posted.wait(lock, [&] { return w.stopping || ready(); });
