@@ -20,6 +20,11 @@ namespace {
 // 4, so each worker still gets several tasks per phase.
 constexpr int kFewWorkers = 4;
 
+// Calls of up to this many tokens read each weight once (decode): their workers claim each task
+// before the one they run ends (run_phase). Xeon VM, 2 threads, qwen3-30b, one layer back to back:
+// INT4 and MXFP4 T = 1 and 8 2-4 % faster; at T = 64 INT4 was 3 % slower.
+constexpr int kClaimAheadMaxTokens = 16;
+
 // exp(x) as 2^n * 2^f, f in [0, 1) by a degree-6 polynomial (relative error ~1e-7): written so
 // the compiler vectorizes the SwiGLU loop with the variant's ISA.
 inline float fast_exp(float x) {
@@ -448,6 +453,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   gate_up_.reset(int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), block_groups_));
   quantize_activation_.reset(quantized_activations_ ? total_rows : 0);
   down_.reset(ceil_div(packed_groups(shape_.hidden), block_groups_));
+  claim_ahead_ = tokens <= kClaimAheadMaxTokens;
   call_done_.store(false);
   workers_in_.store(0);
   failed_.store(false);
@@ -491,12 +497,18 @@ void MoEEngine::Phase::reset(int count) {
 template <typename Item>
 bool MoEEngine::run_phase(Phase& phase, Item item) {
   bool finished_last = false;
-  for (int i; (i = phase.next.fetch_add(1, std::memory_order_relaxed)) < phase.items;) {
-    guarded([&] { item(i); });
+  const auto claim = [&] { return phase.next.fetch_add(1, std::memory_order_relaxed); };
+  for (int i = claim(); i < phase.items;) {
+    // In decode the next item is claimed before this one runs, while more are left than there are
+    // workers, so this one's weight prefetches run on into the next one's (no stream starts cold).
+    const bool ahead = claim_ahead_ && phase.items - phase.next.load(std::memory_order_relaxed) > pool_->size();
+    const int next = ahead ? claim() : -1;
+    guarded([&] { item(i, next < phase.items ? next : -1); });
     if (phase.done.fetch_add(1, std::memory_order_acq_rel) + 1 == phase.items) {
       phase.done.notify_all();
       finished_last = true;
     }
+    i = next >= 0 ? next : claim();
   }
   return finished_last;
 }
@@ -535,27 +547,30 @@ std::vector<std::vector<int>> MoEEngine::worker_cpus() {
 void MoEEngine::forward_worker(int worker) {
   ThreadScratch& s = scratch_[worker];
   workers_in_.fetch_add(1, std::memory_order_relaxed);
-  run_phase(quantize_hidden_, [&](int t) {
+  run_phase(quantize_hidden_, [&](int t, int) {
     hidden_q_.quantize(t, hidden_.data() + size_t(t) * hidden_stride_, shape_.hidden, format_);
   });
   wait_for_count(quantize_hidden_.done, quantize_hidden_.items);
-  run_phase(gate_up_, [&](int task) { gate_up_task(task, s); });
+  run_phase(gate_up_, [&](int task, int next) { gate_up_task(task, next, s); });
   wait_for_count(gate_up_.done, gate_up_.items);
-  run_phase(quantize_activation_, [&](int row) {
+  run_phase(quantize_activation_, [&](int row, int) {
     activation_q_.quantize(row, activation_.data() + size_t(row) * inter_stride_, shape_.intermediate, format_);
   });
   wait_for_count(quantize_activation_.done, quantize_activation_.items);
-  if (run_phase(down_, [&](int block) { down_task(block, s); })) {
+  if (run_phase(down_, [&](int block, int next) { down_task(block, next, s); })) {
     call_done_.store(true, std::memory_order_release);
     if (!ran_inline_) pool_->notify_done();
   }
 }
 
 // One expert x one block of intermediate rows: gate and up for all its tokens, then SwiGLU.
-void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
+void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   const int groups = packed_groups(shape_.intermediate);
   const int blocks = ceil_div(groups, block_groups_);
   const int active = task / blocks, g0 = task % blocks * block_groups_;
+  const auto first_gate_group = [&](int t) {
+    return weights_->gate.groups(active_experts_[t / blocks], t % blocks * block_groups_, 1).values;
+  };
   const int block_groups = std::min(block_groups_, groups - g0);
   const int expert = active_experts_[active];
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
@@ -567,8 +582,9 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
   x.scratch = s.kernel.data();
 
   PackedGroups gate = weights_->gate.groups(expert, g0, block_groups);
-  const PackedGroups up = weights_->up.groups(expert, g0, block_groups);
+  PackedGroups up = weights_->up.groups(expert, g0, block_groups);
   gate.next_values = up.values;
+  if (next_task >= 0) up.next_values = first_gate_group(next_task);
   gemm_(x, gate, s.gate.data(), block_cols_);
   gemm_(x, up, s.up.data(), block_cols_);
   sum_parts(s.gate.data(), rows, parts_, block_groups * kGroupRows, block_cols_);
@@ -581,7 +597,7 @@ void MoEEngine::gate_up_task(int task, ThreadScratch& s) {
 // One block of output columns for every token: down projections of all active experts, weighted
 // and summed in fp32, written once (bf16, or fp32 for a subpool's partial). Tasks own disjoint
 // columns, so no atomics are needed.
-void MoEEngine::down_task(int block, ThreadScratch& s) {
+void MoEEngine::down_task(int block, int next_block, ThreadScratch& s) {
   const int H = shape_.hidden;
   const int g0 = block * block_groups_, block_groups = std::min(block_groups_, packed_groups(H) - g0);
   const int block_cols = block_groups * kGroupRows;
@@ -596,6 +612,8 @@ void MoEEngine::down_task(int block, ThreadScratch& s) {
     PackedGroups down = weights_->down.groups(expert, g0, block_groups);
     if (active + 1 < active_experts_.size())
       down.next_values = weights_->down.groups(active_experts_[active + 1], g0, block_groups).values;
+    else if (next_block >= 0)
+      down.next_values = weights_->down.groups(active_experts_[0], next_block * block_groups_, 1).values;
     gemm_(x, down, s.down.data(), block_cols_);
     sum_parts(s.down.data(), rows, parts_, block_cols, block_cols_);
     for (int i = 0; i < rows; ++i) {

@@ -181,15 +181,16 @@ class MoEEngine {
     void reset(int count);
   };
   void forward_worker(int worker);
-  // Runs items of `phase` until none is left; true on the worker that finished its last item.
+  // Runs items of `phase` until none is left, item(index, the index of the item this worker runs
+  // next or -1); true on the worker that finished its last item.
   template <typename Item>
   bool run_phase(Phase& phase, Item item);
   // Runs one item; the first exception is kept for sync() and the rest of the call's items are
   // skipped (still counted done: a throw must not leave a worker, nor stall a phase).
   template <typename Task>
   void guarded(Task task) noexcept;
-  void gate_up_task(int task, ThreadScratch& scratch);
-  void down_task(int block, ThreadScratch& scratch);
+  void gate_up_task(int task, int next_task, ThreadScratch& scratch);
+  void down_task(int block, int next_block, ThreadScratch& scratch);
   void pack(PackedProjection& dst, SourceProjection src, int slot, size_t source);
 
   std::mutex api_mutex_;  // held by each public method: callers on several threads take turns
@@ -201,6 +202,7 @@ class MoEEngine {
   int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
   int block_groups_ = 4, block_cols_ = 4 * kGroupRows;  // weight groups (and rows) per task
   bool pending_ = false;
+  bool claim_ahead_ = false;  // the call in flight is a decode: run_phase claims items one ahead
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
   ThreadPool::Ticket job_ = 0;  // the pool's job of the last call that used the pool
   // Workers may still be inside job_ (a late one passing through after the work was done): the call
