@@ -198,12 +198,19 @@ def test_weights_are_copied_at_load():
 
 
 def test_output_is_a_new_tensor_and_input_untouched():
+    """Decode calls allocate the next call's output ahead; each call still returns its own tensor,
+    which later calls (of the same or another token count) leave alone."""
     p = make_problem(experts=4, top_k=2, hidden=64, inter=32, tokens=6, seed=14)
     x = p.hidden.clone()
     moe = make_wrapper(p)
     a = moe.forward(p.hidden, p.ids, p.weights)
-    b = moe.forward(p.hidden, p.ids, p.weights)
-    assert a.data_ptr() != b.data_ptr() and a.data_ptr() != p.hidden.data_ptr()
+    kept = a.clone()
+    b = moe.forward(p.hidden * 2, p.ids, p.weights)
+    c = moe.forward(p.hidden[:3], p.ids[:3], p.weights[:3])
+    d = moe.forward(p.hidden * 3, p.ids, p.weights)
+    pointers = {t.data_ptr() for t in (a, b, c, d)}
+    assert len(pointers) == 4 and p.hidden.data_ptr() not in pointers
+    assert torch.equal(a, kept) and not torch.equal(b, a) and torch.equal(c, a[:3])
     assert torch.equal(p.hidden, x)
 
 

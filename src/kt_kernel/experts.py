@@ -28,6 +28,8 @@ THREADS_PER_CPU_LIMIT = 4
 #: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
 #: that it needs about one part's tensors of memory beyond the packed layer.
 LOAD_PARTS = 16
+#: Calls of up to this many tokens (decode) allocate the next call's output ahead (submit_forward).
+_SPARE_OUTPUT_MAX_TOKENS = 16
 
 
 def _require_int(name: str, value: object, minimum: int) -> int:
@@ -173,6 +175,7 @@ class KTMoEWrapper:
         self.int8_activations = int8_activations
         # The engines read this tensor's memory at every submit: it is replaced only in place.
         self._gpu_experts_mask = self._initial_gpu_mask(gpu_experts_mask, num_gpu_experts)
+        self._gpu_mask_address = self._gpu_experts_mask.data_ptr()
         self._layer, self._pools, self._subpools = plan_subpools(
             num_experts=num_experts, top_k=num_experts_per_tok, hidden=hidden_size,
             intermediate=moe_intermediate_size, weight_format=self.weight_format, threads=cpuinfer_threads,
@@ -196,6 +199,10 @@ class KTMoEWrapper:
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
         self._in_flight: torch.Tensor | None = None  # the output of the forward in flight
+        # A decode call allocates the next call's output while its engines run: with the caches cold
+        # from the call before, torch.empty_like costs tens of microseconds before the call starts.
+        self._spare_out: torch.Tensor | None = None
+        self._spare_tokens = -1  # the tokens _spare_out is for
         KTMoEWrapper._instances.add(self)
 
     # ---- construction helpers ---------------------------------------------------------------
@@ -434,28 +441,30 @@ class KTMoEWrapper:
                 )
             self._require_idle("submit a forward", deferred_too=False)
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
-            out = torch.empty_like(x)
+            tokens = x.shape[0]
+            out = self._spare_out if self._spare_tokens == tokens else None
+            if out is None:
+                out = torch.empty_like(x)
+            self._spare_out = None
             deferred_ids = None
-            if self._deferred_layer is not None and x.shape[0] > 0:
+            if self._deferred_layer is not None and tokens > 0:
                 ids, deferred_ids = self.select_deferred_experts(
                     ids, weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
                 )
-            if x.shape[0] > 0:
+            if tokens > 0:
                 # _check_inputs made them contiguous with the engine's dtypes and shapes.
                 # The engines compare the mask with the one they hold (a memcmp) and update on change.
                 self._layer.submit_addresses(
-                    x.data_ptr(),
-                    x.shape[0],
-                    ids.data_ptr(),
-                    weights.data_ptr(),
-                    out.data_ptr(),
-                    self._gpu_experts_mask.data_ptr(),
-                )
+                    x.data_ptr(), tokens, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                    self._gpu_mask_address,
+                )  # fmt: skip
+                if tokens <= _SPARE_OUTPUT_MAX_TOKENS:
+                    self._spare_out, self._spare_tokens = torch.empty_like(x), tokens
             # Taken once this call is on its way, so a refused call leaves them for the next one.
             try:
-                self._adds = self._take_pending_deferred(x.shape[0])
+                self._adds = self._take_pending_deferred(tokens)
             except RuntimeError:
-                if x.shape[0] > 0:
+                if tokens > 0:
                     self._layer.sync()
                 raise
             if deferred_ids is not None:  # queued behind the call above: it runs while the caller goes on
@@ -654,6 +663,7 @@ class KTMoEWrapper:
                 self._in_flight, self._adds = None, None
                 self._loaded = False
                 self._layer, self._subpools, self._pools, self._deferred_layer = None, [], None, None
+                self._spare_out = None
 
     def __del__(self) -> None:
         if getattr(self, "_lock", None) is not None:  # __init__ got that far
@@ -662,38 +672,47 @@ class KTMoEWrapper:
     def _check_inputs(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Each torch attribute is read once: with the caches cold from the call before, a read costs
+        # about a microsecond before a decode call starts.
         x = require_cpu_tensor("hidden_states", hidden_states)
-        if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x.dtype}")
-        if x.dim() < 2 or x.shape[-1] != self.hidden_size:
+        x_dtype, x_shape = x.dtype, x.shape
+        if x_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x_dtype}")
+        if len(x_shape) < 2 or x_shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must have shape [..., tokens, hidden_size={self.hidden_size}], "
-                f"got {list(x.shape)}"
+                f"got {list(x_shape)}"
             )
-        if x.dim() > 2:  # [B, T, H] -> [B*T, H], as upstream
+        tokens = x_shape[0]
+        if len(x_shape) > 2:  # [B, T, H] -> [B*T, H], as upstream
             x = x.reshape(-1, self.hidden_size)
-        if x.dtype != torch.bfloat16:
+            tokens = x.shape[0]
+        if x_dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)  # the engine reads bf16 tokens: converted once, here
         ids = require_cpu_tensor("topk_ids", topk_ids)
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"topk_ids must be int64 or int32, got {ids.dtype}")
+        ids_dtype, ids_shape = ids.dtype, ids.shape
+        if ids_dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"topk_ids must be int64 or int32, got {ids_dtype}")
         weights = require_cpu_tensor("topk_weights", topk_weights)
-        if not weights.dtype.is_floating_point:
-            raise TypeError(f"topk_weights must be a floating-point tensor, got {weights.dtype}")
-        if ids.dim() > 2:
-            ids = ids.reshape(-1, ids.shape[-1])
-        if weights.dim() > 2:
-            weights = weights.reshape(-1, weights.shape[-1])
-        if x.shape[0] * self.num_experts_per_tok >= 2**31:
-            raise ValueError(f"hidden_states has too many tokens ({x.shape[0]}) for one call")
-        expected = (x.shape[0], self.num_experts_per_tok)
-        require_shape("topk_ids", ids, expected, "[tokens, num_experts_per_tok]")
-        require_shape("topk_weights", weights, expected, "[tokens, num_experts_per_tok]")
+        weights_dtype, weights_shape = weights.dtype, weights.shape
+        if not weights_dtype.is_floating_point:
+            raise TypeError(f"topk_weights must be a floating-point tensor, got {weights_dtype}")
+        if len(ids_shape) > 2:
+            ids = ids.reshape(-1, ids_shape[-1])
+            ids_shape = ids.shape
+        if len(weights_shape) > 2:
+            weights = weights.reshape(-1, weights_shape[-1])
+            weights_shape = weights.shape
+        if tokens * self.num_experts_per_tok >= 2**31:
+            raise ValueError(f"hidden_states has too many tokens ({tokens}) for one call")
+        expected = (tokens, self.num_experts_per_tok)
+        require_shape("topk_ids", ids_shape, expected, "[tokens, num_experts_per_tok]")
+        require_shape("topk_weights", weights_shape, expected, "[tokens, num_experts_per_tok]")
         # Expert ids are range-checked by the engine while it buckets them (ValueError).
         # (.to() costs about 1 us even when the dtype already matches: a tiny call is about 20 us)
-        if ids.dtype != torch.int64:
+        if ids_dtype != torch.int64:
             ids = ids.to(torch.int64)
-        if weights.dtype != torch.float32:
+        if weights_dtype != torch.float32:
             weights = weights.to(torch.float32)
         return x.contiguous(), ids.contiguous(), weights.contiguous()
 
@@ -730,6 +749,7 @@ class KTMoEWrapper:
             try:
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()
+                    wrapper._spare_out, wrapper._spare_tokens = None, -1
                     with cls._deferred_lock:
                         if wrapper._deferred_layer is not None and wrapper._deferred_out is None:
                             wrapper._deferred_layer.release_scratch()

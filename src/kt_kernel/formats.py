@@ -64,10 +64,12 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def require_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], meaning: str) -> None:
-    """ValueError naming the tensor unless it has ``shape`` (``meaning``: the shape in words)."""
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(tensor.shape)}")
+def require_shape(name: str, tensor: torch.Tensor | torch.Size, shape: tuple[int, ...], meaning: str) -> None:
+    """ValueError naming the tensor unless it (or its shape, given) has ``shape`` (``meaning``: the
+    shape in words)."""
+    given = tensor if isinstance(tensor, torch.Size) else tensor.shape
+    if tuple(given) != shape:
+        raise ValueError(f"{name} must have shape {meaning} = {list(shape)}, got {list(given)}")
 
 
 def first_index(mask: torch.Tensor, first_expert: int = 0) -> list[int]:
