@@ -13,17 +13,21 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
-// Work is split into tasks of block_groups_ weight groups: small enough to spread one expert over
-// many threads in decode, large enough to reuse activations in prefill and to keep each task's
-// weight streams long. Pools of up to kFewWorkers workers take 8 groups (128 rows; 2 workers, the
-// Xeon VM, qwen3-30b: 12 layers in turn 2-7 % faster at T = 1 and 8, T = 512 4-5 %); larger pools
-// 4, so each worker still gets several tasks per phase.
-constexpr int kFewWorkers = 4;
+// Calls of up to this many tokens (decode) read each weight once.
+constexpr int kDecodeMaxTokens = 16;
 
-// Calls of up to this many tokens read each weight once (decode): their workers claim each task
-// before the one they run ends (run_phase). Xeon VM, 2 threads, qwen3-30b, one layer back to back:
-// INT4 and MXFP4 T = 1 and 8 2-4 % faster; at T = 64 INT4 was 3 % slower.
-constexpr int kClaimAheadMaxTokens = 16;
+// Work is split into tasks of task_groups() weight groups: small enough to spread one expert over
+// many threads in decode, large enough to reuse activations in prefill and to keep each task's
+// weight streams long. Pools of up to kFewWorkers workers take 8 groups (128 rows) in prefill and 16
+// in decode; larger pools 4, so each worker still gets several tasks per phase. 2 workers, the Xeon
+// VM, qwen3-30b: 8 groups rather than 4 made 12 layers in turn 2-7 % faster at T = 1 and 8 and
+// T = 512 4-5 %; 16 rather than 8 made decode at T = 8 and 16 4-8 % faster (with another process
+// busy on a core, 14 %) and left T = 1 as it was.
+constexpr int kFewWorkers = 4;
+int task_groups(int workers, bool decode) {
+  if (workers > kFewWorkers) return 4;
+  return decode ? 16 : 8;
+}
 
 // exp(x) as 2^n * 2^f, f in [0, 1) by a degree-6 polynomial (relative error ~1e-7): written so
 // the compiler vectorizes the SwiGLU loop with the variant's ISA.
@@ -259,8 +263,6 @@ MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr
           std::string(format.name) + " needs hidden_size and moe_intermediate_size <= " +
               std::to_string(format.max_k));
   scratch_.resize(pool_->size() + 1);  // the last for the caller of sync()
-  block_groups_ = pool_->size() <= kFewWorkers ? 8 : 4;
-  block_cols_ = block_groups_ * kGroupRows;
   parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
   hidden_q_.parts = activation_q_.parts = parts_;
 }
@@ -387,6 +389,13 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   if (job_in_pool_) pool_->wait_until_left(job_), job_in_pool_ = false;  // nobody reads the old call
   const int E = shape_.num_experts, K = shape_.top_k;
   require(int64_t(tokens) * K <= INT32_MAX, "tokens * num_experts_per_tok must be < 2^31");
+  const bool decode = tokens <= kDecodeMaxTokens;
+  // In decode the workers also claim each task before the one they run ends (run_phase): its weight
+  // prefetches then run on into the next task's (2 workers, the Xeon VM, qwen3-30b, INT4 and MXFP4
+  // T = 1 and 8: 1-3 % faster; at T = 64 INT4 was 3 % slower).
+  claim_ahead_ = decode;
+  block_groups_ = task_groups(pool_->size(), decode);
+  block_cols_ = block_groups_ * kGroupRows;
 
   // Bucket the routed (token, expert) pairs by expert: count, then place.
   expert_rows_.assign(E, 0);
@@ -453,7 +462,6 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   gate_up_.reset(int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), block_groups_));
   quantize_activation_.reset(quantized_activations_ ? total_rows : 0);
   down_.reset(ceil_div(packed_groups(shape_.hidden), block_groups_));
-  claim_ahead_ = tokens <= kClaimAheadMaxTokens;
   call_done_.store(false);
   workers_in_.store(0);
   failed_.store(false);

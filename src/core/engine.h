@@ -200,7 +200,7 @@ class MoEEngine {
   const EngineOptions options_;
   const bool quantized_activations_;  // format_.quantized_activations()
   int parts_ = 1;                     // quantized rows per activation row (QuantizedBuffer)
-  int block_groups_ = 4, block_cols_ = 4 * kGroupRows;  // weight groups (and rows) per task
+  int block_groups_ = 4, block_cols_ = 4 * kGroupRows;  // weight groups (and rows) per task of the call
   bool pending_ = false;
   bool claim_ahead_ = false;  // the call in flight is a decode: run_phase claims items one ahead
   bool ran_inline_ = false;  // the call in flight was done by submit() itself
