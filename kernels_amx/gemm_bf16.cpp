@@ -51,7 +51,7 @@ double tile_bf16_peak_probe(int64_t iterations) {
 #else
   // Four independent C tiles, A and B loaded once (zeros: the rate does not depend on the values).
   alignas(64) static const uint8_t zeros[kTileRows * kTileBytes] = {};
-  configure_tiles(TileConfig());
+  configure_tiles();
   KT_TILE_ZERO(0);
   KT_TILE_ZERO(1);
   KT_TILE_ZERO(2);

@@ -39,9 +39,14 @@ struct alignas(64) TileConfig {
   }
 };
 
+// The one configuration every kernel loads, kept in static memory: GCC 12 does not see that
+// ldtilecfg reads all 64 bytes of its operand, and for a configuration built on the stack it kept
+// only the stores of the first ten bytes (the peak probe then faulted on AMX hardware).
+inline constexpr TileConfig kTileConfig{};
+
 #ifndef KT_AMX_EMULATED
 // Hardware tiles. The intrinsics need literal tile numbers, hence macros.
-inline void configure_tiles(const TileConfig& config) { _tile_loadconfig(&config); }
+inline void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 inline void release_tiles() { _tile_release(); }
 #define KT_TILE_ZERO(t) _tile_zero(t)
 #define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
@@ -108,7 +113,7 @@ struct EmulatedTiles {
     return value;
   }
 };
-inline void configure_tiles(const TileConfig& config) { EmulatedTiles::config = config; }
+inline void configure_tiles() { EmulatedTiles::config = kTileConfig; }
 inline void release_tiles() {}
 #define KT_TILE_ZERO(t) amx::EmulatedTiles::zero(t)
 #define KT_TILE_LOAD(t, base, stride) amx::EmulatedTiles::load(t, base, stride)
@@ -186,7 +191,7 @@ void tiles_and_edges(const Activations& x, const PackedGroups& w, float* y, size
                      Fallback fallback) {
   const int tile_rows = x.rows / kBlockRows * kBlockRows, tile_groups = w.groups / kBlockGroups * kBlockGroups;
   if (tile_rows == 0 || tile_groups == 0) return fallback(x, w, y);
-  configure_tiles(TileConfig());
+  configure_tiles();
   tiles(tile_rows, tile_groups);
   release_tiles();
   if (tile_groups < w.groups) {
