@@ -576,9 +576,6 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   const int groups = packed_groups(shape_.intermediate);
   const int blocks = ceil_div(groups, block_groups_);
   const int active = task / blocks, g0 = task % blocks * block_groups_;
-  const auto first_gate_group = [&](int t) {
-    return weights_->gate.groups(active_experts_[t / blocks], t % blocks * block_groups_, 1).values;
-  };
   const int block_groups = std::min(block_groups_, groups - g0);
   const int expert = active_experts_[active];
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
@@ -592,7 +589,10 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   PackedGroups gate = weights_->gate.groups(expert, g0, block_groups);
   PackedGroups up = weights_->up.groups(expert, g0, block_groups);
   gate.next_values = up.values;
-  if (next_task >= 0) up.next_values = first_gate_group(next_task);
+  if (next_task >= 0) {  // up's prefetches run on into the first gate group of the worker's next task
+    const int next_expert = active_experts_[next_task / blocks], next_g0 = next_task % blocks * block_groups_;
+    up.next_values = weights_->gate.groups(next_expert, next_g0, 1).values;
+  }
   gemm_(x, gate, s.gate.data(), block_cols_);
   gemm_(x, up, s.up.data(), block_cols_);
   sum_parts(s.gate.data(), rows, parts_, block_groups * kGroupRows, block_cols_);
