@@ -1,19 +1,14 @@
-// gemm_int4 of the amx build: AMX-INT8 tiles (tdpbsud: s8 activations x u8 weights) on the INT4
-// weights widened to bytes, for blocks of 32 quantized activation rows and scale groups of at least
-// kMinTileScaleInputs inputs; the AVX512 kernel for the rest. Exact like it: the activations are the
-// same int8 rows (two per row by default, the residual included), and the integer sums are the same.
+// INT4 on AMX-INT8 tiles (tdpbsud: s8 activations x u8 weights), for what gemm_int4 (gemm_bf16.cpp)
+// leaves to them: zero points, or int8_activations; blocks of 32 quantized activation rows and scale
+// groups of at least kMinTileScaleInputs inputs; the AVX512 kernel for the rest. Exact like it: the
+// activations are the same int8 rows (two per row by default, the residual included), and the
+// integer sums are the same.
 //
 // Per pair of groups, the weights are widened once into the INT8 tile layout (kernels.h): a 4-bit
 // line c (inputs 8c..8c+7 of 16 rows) gives quad 2c from its low nibbles and quad 2c + 1 from its
 // high ones (the nibbles are q + 8 already). Then, per block of 32 rows and per scale group, the C
 // tiles sum the group's inputs, are stored, corrected for the weight offset (or the zero points)
 // times the activations' sums, scaled and added in fp32.
-//
-// MXFP4 (32-input blocks) runs the AVX512 kernel on this build: the tiles' store and correction per
-// scale group cost more than they save there. On a 16-core Xeon with AMX (T = 512, exact
-// activations), the tiles took 264 ms against the AVX512 kernel's 166 (dsv3-32e) and 27.8 against
-// 23.6 ms (qwen3-30b), and with int8_activations 107 against 97 and 15.8 against 14.6; INT4 with
-// 128-input groups 128 against 142 and 18.9 against 21.5.
 #include <algorithm>
 
 #include "kernels_avx512/vec.h"
@@ -25,8 +20,8 @@ namespace amx {
 namespace {
 
 using V = avx512::Vec;
-// Scale groups of fewer inputs take the AVX512 kernel: 32-input ones (MXFP4's) were slower on the
-// tiles, 128-input ones faster; 64 was not measured.
+// Scale groups of fewer inputs take the AVX512 kernel: 32-input ones were slower on these tiles
+// (measured with MXFP4's blocks on a 16-core Xeon), 128-input ones faster; 64 was not measured.
 constexpr int kMinTileScaleInputs = 128;
 constexpr int kLineBytes = 64;  // a 4-bit line (8 inputs) or an INT8 quad line, 16 rows each
 constexpr int kBlockOutputs = kBlockGroups * kGroupRows;
@@ -53,7 +48,7 @@ void tile_sums(const int8_t* x, size_t x_bytes, const uint8_t* quads0, const uin
 
 }  // namespace
 
-void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+void gemm_int4_on_int8_tiles(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   using Int4 = Int4Format<V>;
   auto avx512 = [&](const Activations& xs, const PackedGroups& ws, float* ys) {
     avx512::paths().int4(xs, ws, ys, y_stride);

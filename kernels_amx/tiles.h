@@ -15,11 +15,15 @@
 KT_NAMESPACE_BEGIN
 namespace amx {
 
-// The amx build's tile GEMMs (gemm_bf16.cpp, gemm_int8.cpp, gemm_four_bit.cpp); entry.cpp puts them
-// in the kernel table.
+// The amx build's tile GEMMs (gemm_bf16.cpp: AMX-BF16; gemm_int8.cpp, gemm_four_bit.cpp: AMX-INT8);
+// entry.cpp puts them in the kernel table.
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
-void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+// INT4 on the INT8 tiles (int8 activation rows), for what gemm_int4 leaves to it.
+void gemm_int4_on_int8_tiles(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 // The flops of `iterations` rounds of tdpbf16ps on the calling thread (0 on emulated tiles).
 double tile_bf16_peak_probe(int64_t iterations);
 
@@ -137,17 +141,13 @@ inline TileRows quantized_tile_rows(const Activations& x, int rows, int k) {
   return {gathered, size_t(k), size_t(rows) * k};
 }
 
-// The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) = the sum over
+// The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) += the sum over
 // steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, 64 bytes of each per step, `bytes` in
 // all) times B (tiles 6, 7 from b0, b1: 16 rows of 64 bytes per step). `dots()` runs the four tile
 // products (block_dots_*).
 template <class Dots>
-void block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots) {
+void add_block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots) {
   const uint8_t* a = static_cast<const uint8_t*>(x);
-  KT_TILE_ZERO(0);
-  KT_TILE_ZERO(1);
-  KT_TILE_ZERO(2);
-  KT_TILE_ZERO(3);
   for (size_t offset = 0; offset < bytes; offset += kTileBytes) {
     KT_TILE_LOAD(4, a + offset, x_bytes);
     KT_TILE_LOAD(5, a + kTileRows * x_bytes + offset, x_bytes);
@@ -155,6 +155,16 @@ void block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8
     KT_TILE_LOAD(7, b1 + kTileRows * offset, kTileBytes);
     dots();
   }
+}
+
+// The same from C = 0.
+template <class Dots>
+void block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots) {
+  KT_TILE_ZERO(0);
+  KT_TILE_ZERO(1);
+  KT_TILE_ZERO(2);
+  KT_TILE_ZERO(3);
+  add_block_product(x, x_bytes, b0, b1, bytes, dots);
 }
 
 // The four tile products of a block, for block_product.
@@ -178,6 +188,15 @@ inline void store_block(void* out, size_t out_bytes) {
   KT_TILE_STORE(1, c + kTileBytes, out_bytes);
   KT_TILE_STORE(2, c + kTileRows * out_bytes, out_bytes);
   KT_TILE_STORE(3, c + kTileRows * out_bytes + kTileBytes, out_bytes);
+}
+
+// Loads C tiles 0-3 from a 32 x 32 block at `in` (row stride in_bytes): store_block's inverse.
+inline void load_block(const void* in, size_t in_bytes) {
+  const uint8_t* c = static_cast<const uint8_t*>(in);
+  KT_TILE_LOAD(0, c, in_bytes);
+  KT_TILE_LOAD(1, c + kTileBytes, in_bytes);
+  KT_TILE_LOAD(2, c + kTileRows * in_bytes, in_bytes);
+  KT_TILE_LOAD(3, c + kTileRows * in_bytes + kTileBytes, in_bytes);
 }
 
 // The tile kernels cover blocks of kBlockRows activation rows x kBlockGroups groups; `tiles(rows,

@@ -26,12 +26,12 @@ def tile_products(module) -> int:
     return module.kernel_info()["emulated_tile_products"]
 
 
-# (tokens, outputs, inputs, tiles used): tiles take blocks of 32 tokens x 32 outputs when the
-# inputs are a multiple of 32; everything else goes to the AVX512 kernel.
+# (tokens, outputs, inputs, tiles used): the AMX-BF16 tiles take calls of at least 16 tokens (the
+# last block padded) when the inputs are a multiple of 32; the rest goes to the AVX512 kernel.
 @pytest.mark.parametrize(
     "tokens,n,k,tiled",
-    [(32, 32, 64, True), (33, 40, 96, True), (600, 48, 256, True), (96, 17, 32, True), (31, 64, 64, False),
-     (64, 16, 64, False), (64, 64, 48, False)],
+    [(32, 32, 64, True), (33, 40, 96, True), (600, 48, 256, True), (96, 17, 32, True), (31, 64, 64, True),
+     (16, 16, 64, True), (15, 64, 64, False), (64, 64, 48, False)],
 )  # fmt: skip
 def test_linear_on_emulated_tiles(emulated, tokens, n, k, tiled):
     g = torch.Generator().manual_seed(tokens + n + k)
@@ -45,7 +45,7 @@ def test_linear_on_emulated_tiles(emulated, tokens, n, k, tiled):
     assert torch.all((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30)
 
 
-@pytest.mark.parametrize("tokens,per_block", [(64, True), (40, False)])
+@pytest.mark.parametrize("tokens,per_block", [(64, True), (40, False), (17, True)])
 def test_fp8_decoded_onto_emulated_tiles(emulated, tokens, per_block):
     """FP8 codes decoded to bf16 run on the AMX-BF16 tile code, exact to fp32 rounding."""
     g = torch.Generator().manual_seed(tokens)
@@ -126,20 +126,24 @@ def test_int8_moe_forward_on_emulated_tiles(emulated):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 0.005  # two int8 parts per activation row
 
 
-# INT4 weights widened onto the INT8 tiles: blocks of 32 quantized rows (by default two per token,
-# the residual too) x 32 outputs, one C-tile sum per scale group of 128 inputs. Smaller groups and
-# MXFP4 (32-input blocks) run the AVX512 kernel on the amx build.
-# (method, tokens, n, k, group, zero points, int8_activations, tiles used)
+# 4-bit weights on the tiles: in the exact mode (two quantized rows per token), MXFP4 and INT4 without
+# zero points in groups of 64 or more are decoded onto the AMX-BF16 tiles (the token's bf16 row) from
+# 16 tokens on; INT4 with zero points or int8 activations takes the INT8 tiles (the widened nibbles x
+# the quantized rows, blocks of 32 such rows, groups of 128); the rest the AVX512 kernel.
+# (method, tokens, n, k, group, zero points, int8_activations, tiles: "bf16", "int8" or None)
 FOUR_BIT_CASES = [
-    ("INT4", 16, 32, 128, 128, False, False, True),
-    ("INT4", 33, 40, 256, 128, False, True, True),
-    ("INT4", 300, 48, 256, 128, True, False, True),
-    ("INT4", 40, 33, 384, 128, True, False, True),
-    ("INT4", 15, 32, 128, 128, False, False, False),
-    ("INT4", 40, 32, 128, 64, False, False, False),
-    ("INT4", 64, 32, 96, 32, True, False, False),
-    ("MXFP4", 64, 48, 96, 32, False, False, False),
-    ("MXFP4", 64, 17, 64, 32, False, True, False),
+    ("INT4", 16, 32, 128, 128, False, False, "bf16"),
+    ("INT4", 40, 32, 128, 64, False, False, "bf16"),
+    ("INT4", 33, 40, 256, 128, False, True, "int8"),
+    ("INT4", 300, 48, 256, 128, True, False, "int8"),
+    ("INT4", 40, 33, 384, 128, True, False, "int8"),
+    ("INT4", 15, 32, 128, 128, False, False, None),
+    ("INT4", 40, 32, 128, 32, False, False, None),
+    ("INT4", 64, 32, 96, 32, True, False, None),
+    ("MXFP4", 64, 48, 96, 32, False, False, "bf16"),
+    ("MXFP4", 16, 17, 64, 32, False, False, "bf16"),
+    ("MXFP4", 15, 32, 64, 32, False, False, None),
+    ("MXFP4", 64, 17, 64, 32, False, True, None),
 ]
 
 
@@ -161,12 +165,13 @@ def four_bit_weights(method, n, k, group, with_zeros, g):
     return values, scales, zeros, weight
 
 
-@pytest.mark.parametrize("method,tokens,n,k,group,with_zeros,int8_activations,tiled", FOUR_BIT_CASES)
+@pytest.mark.parametrize("method,tokens,n,k,group,with_zeros,int8_activations,tiles", FOUR_BIT_CASES)
 def test_four_bit_linear_on_emulated_tiles(
-    emulated, method, tokens, n, k, group, with_zeros, int8_activations, tiled
+    emulated, method, tokens, n, k, group, with_zeros, int8_activations, tiles
 ):
-    """Exact integer sums on the tiles (activations that quantize exactly), and the same bits as the
-    AVX512 kernel on Gaussian activations with outlier channels."""
+    """Exact sums on the tiles (integer activations, which every path holds exactly); on Gaussian
+    activations with outlier channels, the INT8 tiles give the AVX512 kernel's bits and the BF16
+    tiles the product of the bf16 tokens to fp32 rounding."""
     from kt_kernel import _kt_kernel_avx512 as avx512
 
     g = torch.Generator().manual_seed(tokens * 100 + n + k)
@@ -183,17 +188,59 @@ def test_four_bit_linear_on_emulated_tiles(
     x[:, 0] = 127.0  # max |x| = 127: the int8 activations are x itself
     before = tile_products(emulated)
     y = linear(emulated, x.to(torch.bfloat16))
-    assert (tile_products(emulated) > before) == tiled
+    assert (tile_products(emulated) > before) == (tiles is not None)
     ref = x.double() @ weight.T
     assert torch.all((y.double() - ref).abs() <= 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30)
 
     x = torch.randn(tokens, k, generator=g)
     x[:, 3] *= 100
     x = x.to(torch.bfloat16)
-    assert torch.equal(linear(emulated, x), linear(avx512, x))
+    if tiles == "bf16":
+        ref = x.double() @ weight.T
+        bound = 1e-5 * (x.double().abs() @ weight.abs().T) + 1e-30
+        assert torch.all((linear(emulated, x).double() - ref).abs() <= bound)
+    else:
+        assert torch.equal(linear(emulated, x), linear(avx512, x))
 
 
-@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "FP8"])
+def test_mxfp4_scales_at_the_ends_of_bf16(emulated):
+    """E8M0 scales whose products with E2M1 values leave bf16's normal range: above 2^125 the matrix
+    runs the AVX512 kernel (the same bits as the avx512 build); below 2^-125 the weights (at most
+    6 x 2^-126, denormal in bf16, which the tiles read as zero) are flushed to zero on the tiles."""
+    from mxfp4_reference import decode_mxfp4
+
+    from kt_kernel import _kt_kernel_avx512 as avx512
+
+    g = torch.Generator().manual_seed(5)
+    n, k, tokens = 32, 64, 32
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+
+    def run(module, scales, x):
+        y = torch.empty(tokens, n)
+        before = tile_products(emulated)
+        module.linear("MXFP4", x.view(torch.int16), codes, scales, y)
+        return y, tile_products(emulated) > before
+
+    for extreme, tiled in ((253, False), (252, True), (1, True), (0, True)):
+        scales = torch.full((n, k // 32), 127, dtype=torch.uint8)
+        scales[3, 1] = extreme
+        xs = x.clone()
+        xs[:, 32:] *= 2.0 ** min(127 - extreme, 0)  # products of the large scale stay far from fp32's limit
+        y, used_tiles = run(emulated, scales, xs)
+        assert used_tiles == tiled, extreme
+        if not tiled:
+            assert torch.equal(y, run(avx512, scales, xs)[0])
+            continue
+        weight = decode_mxfp4(codes, scales).double()
+        if extreme < 2:
+            weight[3, 32:] = 0.0  # flushed
+        ref = xs.double() @ weight.T
+        bound = 1e-5 * (xs.double().abs() @ weight.abs().T) + 1e-30
+        assert torch.all((y.double() - ref).abs() <= bound), extreme
+
+
+@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "FP8", "MXFP4"])
 def test_tiles_within_half_a_percent_on_outlier_activations(emulated, method):
     """The accuracy bound of test_accuracy.py, on the tile paths (64 tokens per expert: full tiles)."""
     from test_accuracy import BOUND, accuracy_case

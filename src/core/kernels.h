@@ -87,7 +87,9 @@ struct Activations {
   }
 };
 
-inline size_t kernel_scratch_bytes(int rows, int k) { return size_t(rows) * round_up(k, 4) * sizeof(float); }
+inline size_t kernel_scratch_bytes(int rows, int k) {
+  return size_t(round_up(rows, 32)) * (round_up(k, 4) * sizeof(float) + 1024) + 32768;
+}
 
 // A run of packed groups of one matrix.
 struct PackedGroups {
