@@ -37,7 +37,7 @@ KernelInfo kernel_info() {
   static const std::string mxfp4 =
       std::string("exact activations: amx_bf16 tiles on decoded weights (16 rows or more); else ") + avx512.mxfp4_path;
   static const std::string int8 =
-      std::string("INT8: amx_int8 tiles (blocks of 32 rows, k % 64 == 0); INT4: amx_bf16 tiles on decoded weights "
+      std::string("INT8: amx_int8 tiles (16 rows or more, k % 64 == 0); INT4: amx_bf16 tiles on decoded weights "
                   "(exact activations, 16 rows or more, groups of 64 or 128, no zero points), else amx_int8 tiles "
                   "on widened nibbles (blocks of 32 rows, groups of 128 inputs); else ") +
       avx512.int8_path;

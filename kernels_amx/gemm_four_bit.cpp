@@ -1,4 +1,4 @@
-// INT4 on AMX-INT8 tiles (tdpbsud: s8 activations x u8 weights), for what gemm_int4 (gemm_bf16.cpp)
+// INT4 on AMX-INT8 tiles (tdpbsud: s8 activations x u8 weights), for what gemm_int4 (tile_gemm.cpp)
 // leaves to them: zero points, or int8_activations; blocks of 32 quantized activation rows and scale
 // groups of at least kMinTileScaleInputs inputs; the AVX512 kernel for the rest. Exact like it: the
 // activations are the same int8 rows (two per row by default, the residual included), and the

@@ -15,8 +15,8 @@
 KT_NAMESPACE_BEGIN
 namespace amx {
 
-// The amx build's tile GEMMs (gemm_bf16.cpp: AMX-BF16; gemm_int8.cpp, gemm_four_bit.cpp: AMX-INT8);
-// entry.cpp puts them in the kernel table.
+// The amx build's tile GEMMs (tile_gemm.cpp; gemm_four_bit.cpp); entry.cpp puts them in the kernel
+// table.
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);

@@ -1,5 +1,5 @@
 // FP8 E4M3 -> bf16 decoding, shared by every build: the AVX2 / AVX512 register tiles (fp8_tiles.h)
-// and the amx build's AMX-BF16 tiles (kernels_amx/gemm_bf16.cpp) multiply the decoded weights.
+// and the amx build's AMX-BF16 tiles (kernels_amx/tile_gemm.cpp) multiply the decoded weights.
 #pragma once
 
 #include "kernels.h"

@@ -76,11 +76,12 @@ def test_moe_forward_on_emulated_tiles(emulated):
     assert_close_to_reference(out, reference_forward(p))
 
 
-# INT8 tiles take blocks of 32 quantized rows x 32 outputs when the inputs are a multiple of 64: here
-# one row per token (int8_activations=True); by default each token is two rows (its residual too).
+# INT8 tiles take calls of at least 16 tokens when the inputs are a multiple of 64: here one row per
+# token (int8_activations=True); by default each token is two rows (its residual too).
 @pytest.mark.parametrize(
     "tokens,n,k,tiled",
-    [(32, 32, 64, True), (33, 40, 128, True), (300, 48, 256, True), (31, 64, 64, False), (64, 64, 96, False)],
+    [(32, 32, 64, True), (33, 40, 128, True), (300, 48, 256, True), (31, 64, 64, True), (16, 17, 576, True),
+     (15, 64, 64, False), (64, 64, 96, False)],
 )  # fmt: skip
 def test_int8_linear_on_emulated_tiles(emulated, tokens, n, k, tiled):
     g = torch.Generator().manual_seed(tokens + n + k)

@@ -1,7 +1,8 @@
-// The amx build's GEMMs on AMX-BF16 tiles (tdpbf16ps) for BF16, MXFP4, FP8 and INT4 weights: the
-// weights of two groups are decoded to the BF16 tile layout (kernels.h) a chunk of inputs at a time
-// into L1 and multiplied by the activations as bf16 (the tokens as given; the intermediate rows as
-// SwiGLU rounds them, for every format), so the result is the exact product up to fp32 accumulation.
+// The amx build's tile GEMMs. On AMX-BF16 tiles (tdpbf16ps) for BF16, MXFP4, FP8 and INT4 weights:
+// the weights of two groups are decoded to the BF16 tile layout (kernels.h) a chunk of inputs at a
+// time into L1 and multiplied by the activations as bf16 (the tokens as given; the intermediate rows
+// as SwiGLU rounds them, for every format), so the result is the exact product up to fp32
+// accumulation. On AMX-INT8 tiles (tdpbsud) for INT8: its packed lines times the quantized rows.
 //   BF16: the packed weights are the tiles' B operand as they are.
 //   MXFP4: an E2M1 code times its E8M0 scale is a bf16 (scales 2^-125 .. 2^125), decoded exactly.
 //   FP8: an E4M3 code is a bf16; its float scale (per row and 128-input block, or per row) is
@@ -12,6 +13,7 @@
 // expert with 40 rows does not send 8 of them through the AVX512 kernel.
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels_avx512/vec.h"
 #include "tiles.h"
@@ -31,12 +33,60 @@ constexpr size_t kChunkBytes = size_t(kChunkInputs) / 2 * kLineBytes;  // one gr
 // of 4 KiB (k = 2048) would fall into one L1 set.
 constexpr size_t kRowPadBytes = 64;
 
-// ---- Weight formats, each: chunk_inputs(w) (inputs per fp32 scaling step, a multiple of 32),
+// ---- The activations: the A tiles' rows, gathered once per call into the scratch, one stride
+// apart, padded with zero rows to a multiple of kBlockRows. ----
+
+struct GatheredRows {
+  const uint8_t* values;
+  size_t stride;  // bytes
+  int rows, padded_rows;
+  int parts;  // output row of gathered row r: r * parts (a quantized format's token keeps its rows)
+};
+
+// Copies row i = 0 .. padded - 1 from row_of(i) (bytes bytes; zeros from `rows` on).
+template <class RowOf>
+GatheredRows gather(uint8_t* scratch, int rows, size_t bytes, int parts, RowOf row_of) {
+  const int padded = round_up(rows, kBlockRows);
+  const size_t stride = bytes + kRowPadBytes;
+  for (int i = 0; i < padded; ++i) {
+    uint8_t* dst = scratch + size_t(i) * stride;
+    if (i < rows)
+      std::memcpy(dst, row_of(i), bytes);
+    else
+      std::memset(dst, 0, bytes);
+  }
+  return {scratch, stride, rows, padded, parts};
+}
+
+// The tokens' bf16 rows for tdpbf16ps: a quantized format's x has `parts` rows per token (kernels.h),
+// whose bf16 row the tiles take once.
+struct Bf16Rows {
+  static constexpr size_t kElementBytes = sizeof(bf16_t);
+  static GatheredRows gather_rows(const Activations& x, int k, uint8_t* scratch) {
+    const int parts = x.quantized.values != nullptr ? x.quantized.parts : 1;
+    return gather(scratch, x.rows / parts, size_t(k) * kElementBytes, parts,
+                  [&](int i) { return x.base + x.index(i * parts) / parts * x.stride; });
+  }
+  static void dots() { block_dots_bf16(); }
+};
+
+// The quantized rows (every part) for tdpbsud.
+struct Int8Rows {
+  static constexpr size_t kElementBytes = 1;
+  static GatheredRows gather_rows(const Activations& x, int k, uint8_t* scratch) {
+    return gather(scratch, x.rows, size_t(k), 1, [&](int i) { return x.quantized_row(i).values; });
+  }
+  static void dots() { block_dots_s8u8(); }
+};
+
+// ---- Weight formats, each: Rows (the activations their tiles take), chunk_inputs(w) (inputs per
+// scaling step, a multiple of 32 or, INT8, 64),
 // lines(w, group, k0, count, buffer) (the B-tile lines of inputs [k0, k0 + count) of the group:
 // decoded into buffer, or in place), scales(w, group, k0) (16 floats to multiply the chunk's sums
 // by, or null). ----
 
 struct Bf16Weights {
+  using Rows = Bf16Rows;
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
   // No software prefetch: the hardware prefetcher follows the tile loads' streams (prefetching each
   // line 4 KiB ahead made qwen3-30b T = 512 on the 2-core AMX VM 68-75 -> 87 ms).
@@ -55,6 +105,7 @@ alignas(64) constexpr uint16_t kE2m1Bf16[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 
 constexpr int kMinNormalE8M0 = 2, kMaxNormalE8M0 = 252;
 
 struct Mxfp4Weights {
+  using Rows = Bf16Rows;
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / kMxfp4Block) * 4 * kMxfp4ChunkBytes;
@@ -110,6 +161,7 @@ alignas(16) constexpr uint8_t kSecondPairs[16] = {2,  0x80, 3,  0x80, 6,  0x80, 
 constexpr int kMinBf16Int4Group = 64;
 
 struct Int4Weights {
+  using Rows = Bf16Rows;
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / 8) * kLineBytes;
@@ -137,6 +189,7 @@ struct Int4Weights {
 };
 
 struct Fp8Weights {
+  using Rows = Bf16Rows;
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group > 0 ? w.scale_group : kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     avx512::decode_fp8(w.values + size_t(group) * w.group_bytes + size_t(k0) * kGroupRows,
@@ -149,29 +202,19 @@ struct Fp8Weights {
   }
 };
 
-// ---- The driver ----
-
-// The activation rows of x as bf16 rows one stride apart, for the A tiles: a quantized format's
-// x has `parts` rows per token (kernels.h); the tiles take the token's bf16 row once.
-struct GatheredRows {
-  const bf16_t* values;
-  size_t stride;  // elements
-  int rows, padded_rows, parts;
+// INT8 (amx_int8 tiles, int8_activations or not): the packed layout is the tile's B operand (one
+// 64-byte line per input quad); the int32 sums are corrected for the +128 weight offset and scaled
+// per row at the end.
+struct Int8Weights {
+  using Rows = Int8Rows;
+  static int chunk_inputs(const PackedGroups&) { return 2 * kChunkInputs; }
+  static const uint8_t* lines(const PackedGroups& w, int group, int k0, int, uint8_t*) {
+    return w.values + size_t(group) * w.group_bytes + size_t(k0 / 4) * kLineBytes;
+  }
+  static const float* scales(const PackedGroups&, int, int) { return nullptr; }
 };
 
-GatheredRows gather_rows(const Activations& x, int k, bf16_t* scratch) {
-  const int parts = x.quantized.values != nullptr ? x.quantized.parts : 1;
-  const int rows = x.rows / parts, padded = round_up(rows, kBlockRows);
-  const size_t stride = size_t(k) + kRowPadBytes / sizeof(bf16_t);
-  for (int i = 0; i < padded; ++i) {
-    bf16_t* dst = scratch + size_t(i) * stride;
-    if (i < rows)
-      std::memcpy(dst, x.base + x.index(i * parts) / parts * x.stride, size_t(k) * sizeof(bf16_t));
-    else
-      std::memset(dst, 0, size_t(k) * sizeof(bf16_t));
-  }
-  return {scratch, stride, rows, padded, parts};
-}
+// ---- The driver ----
 
 // Groups are taken kSetGroups at a time, and for each chunk of inputs all their pairs: the
 // activations' chunk (32 rows: 16 KiB) is then read from L1 or L2 once per pair, where a whole
@@ -179,15 +222,36 @@ GatheredRows gather_rows(const Activations& x, int k, bf16_t* scratch) {
 constexpr int kSetGroups = 8;
 constexpr int kSetOutputs = kSetGroups * kGroupRows;
 
+// y for the set's groups from their sums (fp32, or INT8's int32).
+template <class Weights>
+void write_outputs(const Activations& x, const PackedGroups& w, const GatheredRows& a, int set, int set_groups,
+                   const float* sums, float* y, size_t y_stride) {
+  const int cols = set_groups * kGroupRows;
+  for (int r = 0; r < a.rows; ++r) {
+    float* out = y + size_t(r) * a.parts * y_stride + set * kGroupRows;
+    const float* sum = sums + size_t(r) * kSetOutputs;
+    if constexpr (std::is_same_v<typename Weights::Rows, Int8Rows>) {
+      const QuantizedRow row = x.quantized_row(r);
+      const int32_t offset = kInt8Offset * quantized_sum(row, 0, w.k);
+      const float* scales = reinterpret_cast<const float*>(w.scales + size_t(set) * w.group_scale_bytes);
+      const int32_t* integers = reinterpret_cast<const int32_t*>(sum);
+      for (int c = 0; c < cols; ++c) out[c] = float(integers[c] - offset) * scales[c] * row.scale;
+    } else {
+      std::memcpy(out, sum, cols * sizeof(float));
+      if (a.parts == 2) std::memset(out + y_stride, 0, cols * sizeof(float));
+    }
+  }
+}
+
 template <class Weights>
 void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   using V = avx512::Vec;
-  // Scratch (kernel_scratch_bytes): the gathered rows, two decoded chunks, the fp32 sums of a set.
-  const GatheredRows a = gather_rows(x, w.k, reinterpret_cast<bf16_t*>(x.scratch));
-  uint8_t* decoded = x.scratch + round_up(size_t(a.padded_rows) * a.stride * sizeof(bf16_t), size_t(64));
+  using Rows = typename Weights::Rows;
+  // Scratch (kernel_scratch_bytes): the gathered rows, two decoded chunks, the sums of a set.
+  const GatheredRows a = Rows::gather_rows(x, w.k, x.scratch);
+  uint8_t* decoded = x.scratch + round_up(size_t(a.padded_rows) * a.stride, size_t(64));
   float* sums = reinterpret_cast<float*>(decoded + 2 * kChunkBytes);  // [padded rows][kSetOutputs]
   constexpr size_t kSumsBytes = kSetOutputs * sizeof(float);           // a row of sums
-  const size_t a_bytes = a.stride * sizeof(bf16_t);
   alignas(64) float block[kBlockRows][kBlockOutputs];
   const int chunk = Weights::chunk_inputs(w);
   configure_tiles();
@@ -214,8 +278,8 @@ void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t
             KT_TILE_ZERO(2);
             KT_TILE_ZERO(3);
           }
-          add_block_product(a.values + size_t(i) * a.stride + k0, a_bytes, lines[0], lines[1],
-                            size_t(count) * sizeof(bf16_t), block_dots_bf16);
+          add_block_product(a.values + size_t(i) * a.stride + k0 * Rows::kElementBytes, a.stride, lines[0], lines[1],
+                            count * Rows::kElementBytes, Rows::dots);
           if (scales[0] == nullptr) {
             store_block(sum, kSumsBytes);
             continue;
@@ -231,11 +295,7 @@ void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t
         }
       }
     }
-    for (int r = 0; r < a.rows; ++r) {
-      float* out = y + size_t(r) * a.parts * y_stride + set * kGroupRows;
-      std::memcpy(out, sums + size_t(r) * kSetOutputs, size_t(set_groups) * kGroupRows * sizeof(float));
-      if (a.parts == 2) std::memset(out + y_stride, 0, size_t(set_groups) * kGroupRows * sizeof(float));
-    }
+    write_outputs<Weights>(x, w, a, set, set_groups, sums, y, y_stride);
   }
   release_tiles();
 }
@@ -274,6 +334,11 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
   if (!tiles_fit(x, w) || parts_of(x) != 2 || w.zeros != nullptr || w.scale_group < kMinBf16Int4Group)
     return gemm_int4_on_int8_tiles(x, w, y, y_stride);
   gemm_on_tiles<Int4Weights>(x, w, y, y_stride);
+}
+
+void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (x.rows / parts_of(x) < kMinTileRows || w.k % (2 * kStepInputs) != 0) return avx512::paths().int8(x, w, y, y_stride);
+  gemm_on_tiles<Int8Weights>(x, w, y, y_stride);
 }
 
 double tile_bf16_peak_probe(int64_t iterations) {
