@@ -22,7 +22,6 @@ KT_NAMESPACE_BEGIN
 namespace amx {
 namespace {
 
-constexpr int kStepInputs = 2 * kTileRows;  // inputs per tile product: 16 bf16 pairs
 constexpr int kBlockOutputs = kBlockGroups * kGroupRows;
 constexpr int kLineBytes = kTileBytes;      // one B-tile row: one input pair of 16 outputs
 // Inputs decoded at a time: two groups x 256 inputs of bf16 = 16 KiB, read back from L1 by the tile
@@ -62,6 +61,7 @@ GatheredRows gather(uint8_t* scratch, int rows, size_t bytes, int parts, RowOf r
 // whose bf16 row the tiles take once.
 struct Bf16Rows {
   static constexpr size_t kElementBytes = sizeof(bf16_t);
+  static constexpr int kStepInputs = kTileBytes / kElementBytes;  // inputs per tile product: 16 pairs
   static GatheredRows gather_rows(const Activations& x, int k, uint8_t* scratch) {
     const int parts = x.quantized.values != nullptr ? x.quantized.parts : 1;
     return gather(scratch, x.rows / parts, size_t(k) * kElementBytes, parts,
@@ -73,6 +73,7 @@ struct Bf16Rows {
 // The quantized rows (every part) for tdpbsud.
 struct Int8Rows {
   static constexpr size_t kElementBytes = 1;
+  static constexpr int kStepInputs = kTileBytes;  // 16 quads
   static GatheredRows gather_rows(const Activations& x, int k, uint8_t* scratch) {
     return gather(scratch, x.rows, size_t(k), 1, [&](int i) { return x.quantized_row(i).values; });
   }
@@ -309,35 +310,36 @@ constexpr int kMinTileRows = 16;
 // Rows per token of x: 2 where a quantized format's activations are exact (kernels.h).
 int parts_of(const Activations& x) { return x.quantized.values != nullptr ? x.quantized.parts : 1; }
 
+template <class Weights>
 bool tiles_fit(const Activations& x, const PackedGroups& w) {
-  return x.rows / parts_of(x) >= kMinTileRows && w.k % kStepInputs == 0;
+  return x.rows / parts_of(x) >= kMinTileRows && w.k % Weights::Rows::kStepInputs == 0;
 }
 
 }  // namespace
 
 void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (!tiles_fit(x, w)) return avx512::paths().bf16(x, w, y, y_stride);
+  if (!tiles_fit<Bf16Weights>(x, w)) return avx512::paths().bf16(x, w, y, y_stride);
   gemm_on_tiles<Bf16Weights>(x, w, y, y_stride);
 }
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (!tiles_fit(x, w) || parts_of(x) != 2 || !Mxfp4Weights::decodable(w)) return avx512::paths().mxfp4(x, w, y, y_stride);
+  if (!tiles_fit<Mxfp4Weights>(x, w) || parts_of(x) != 2 || !Mxfp4Weights::decodable(w)) return avx512::paths().mxfp4(x, w, y, y_stride);
   gemm_on_tiles<Mxfp4Weights>(x, w, y, y_stride);
 }
 
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (!tiles_fit(x, w)) return avx512::paths().fp8(x, w, y, y_stride);
+  if (!tiles_fit<Fp8Weights>(x, w)) return avx512::paths().fp8(x, w, y, y_stride);
   gemm_on_tiles<Fp8Weights>(x, w, y, y_stride);
 }
 
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (!tiles_fit(x, w) || parts_of(x) != 2 || w.zeros != nullptr || w.scale_group < kMinBf16Int4Group)
+  if (!tiles_fit<Int4Weights>(x, w) || parts_of(x) != 2 || w.zeros != nullptr || w.scale_group < kMinBf16Int4Group)
     return gemm_int4_on_int8_tiles(x, w, y, y_stride);
   gemm_on_tiles<Int4Weights>(x, w, y, y_stride);
 }
 
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (x.rows / parts_of(x) < kMinTileRows || w.k % (2 * kStepInputs) != 0) return avx512::paths().int8(x, w, y, y_stride);
+  if (!tiles_fit<Int8Weights>(x, w)) return avx512::paths().int8(x, w, y, y_stride);
   gemm_on_tiles<Int8Weights>(x, w, y, y_stride);
 }
 
