@@ -28,19 +28,23 @@ constexpr int kLineBytes = kTileBytes;      // one B-tile row: one input pair of
 // loads of every row block.
 constexpr int kChunkInputs = 256;
 constexpr size_t kChunkBytes = size_t(kChunkInputs) / 2 * kLineBytes;  // one group's decoded chunk
-// Gathered rows are this many bytes longer than their inputs: the 16 rows of an A tile at a stride
-// of 4 KiB (k = 2048) would fall into one L1 set.
-constexpr size_t kRowPadBytes = 64;
 
-// ---- The activations: the A tiles' rows, gathered once per call into the scratch, one stride
-// apart, padded with zero rows to a multiple of kBlockRows. ----
+// ---- The activations: the A tiles' rows, one stride apart, readable up to a multiple of
+// kBlockRows: in place where the caller padded them (Activations::padded_rows), else gathered once
+// per call into the scratch and padded with zero rows. ----
 
 struct GatheredRows {
   const uint8_t* values;
   size_t stride;  // bytes
   int rows, padded_rows;
   int parts;  // output row of gathered row r: r * parts (a quantized format's token keeps its rows)
+  size_t scratch_bytes;  // of x.scratch taken by the gathered rows
 };
+static_assert(kPaddedRows % kBlockRows == 0);
+
+GatheredRows in_place(const void* values, size_t stride, int rows, int parts) {
+  return {static_cast<const uint8_t*>(values), stride, rows, round_up(rows, kBlockRows), parts, 0};
+}
 
 // Copies row i = 0 .. padded - 1 from row_of(i) (bytes bytes; zeros from `rows` on).
 template <class RowOf>
@@ -54,7 +58,7 @@ GatheredRows gather(uint8_t* scratch, int rows, size_t bytes, int parts, RowOf r
     else
       std::memset(dst, 0, bytes);
   }
-  return {scratch, stride, rows, padded, parts};
+  return {scratch, stride, rows, padded, parts, round_up(size_t(padded) * stride, size_t(64))};
 }
 
 // The tokens' bf16 rows for tdpbf16ps: a quantized format's x has `parts` rows per token (kernels.h),
@@ -64,6 +68,7 @@ struct Bf16Rows {
   static constexpr int kStepInputs = kTileBytes / kElementBytes;  // inputs per tile product: 16 pairs
   static GatheredRows gather_rows(const Activations& x, int k, uint8_t* scratch) {
     const int parts = x.quantized.values != nullptr ? x.quantized.parts : 1;
+    if (x.row_ids == nullptr && x.padded_rows) return in_place(x.base, x.stride * kElementBytes, x.rows / parts, parts);
     return gather(scratch, x.rows / parts, size_t(k) * kElementBytes, parts,
                   [&](int i) { return x.base + x.index(i * parts) / parts * x.stride; });
   }
@@ -75,6 +80,7 @@ struct Int8Rows {
   static constexpr size_t kElementBytes = 1;
   static constexpr int kStepInputs = kTileBytes;  // 16 quads
   static GatheredRows gather_rows(const Activations& x, int k, uint8_t* scratch) {
+    if (x.row_ids == nullptr && x.padded_rows) return in_place(x.quantized.values, x.quantized.stride, x.rows, 1);
     return gather(scratch, x.rows, size_t(k), 1, [&](int i) { return x.quantized_row(i).values; });
   }
   static void dots() { block_dots_s8u8(); }
@@ -250,7 +256,7 @@ void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t
   using Rows = typename Weights::Rows;
   // Scratch (kernel_scratch_bytes): the gathered rows, two decoded chunks, the sums of a set.
   const GatheredRows a = Rows::gather_rows(x, w.k, x.scratch);
-  uint8_t* decoded = x.scratch + round_up(size_t(a.padded_rows) * a.stride, size_t(64));
+  uint8_t* decoded = x.scratch + a.scratch_bytes;
   float* sums = reinterpret_cast<float*>(decoded + 2 * kChunkBytes);  // [padded rows][kSetOutputs]
   constexpr size_t kSumsBytes = kSetOutputs * sizeof(float);           // a row of sums
   alignas(64) float block[kBlockRows][kBlockOutputs];

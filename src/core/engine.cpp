@@ -114,7 +114,7 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
 }
 
 void QuantizedBuffer::reserve(int rows, int k) {
-  stride = round_up(k, 64);
+  stride = round_up(k, 64) + kRowPadBytes;
   const size_t quantized_rows = size_t(rows) * parts;
   values.reserve(quantized_rows * stride);
   scales.reserve(quantized_rows);
@@ -131,6 +131,26 @@ void QuantizedBuffer::quantize(int row, const bf16_t* x, int k, const FormatTrai
   quantize_activation_row(x, k, int(stride), out(first), parts == 2 ? &residual : nullptr);
   if (format.activations == ActivationKind::kQuantizedOctetOrder)
     for (int p = 0; p < parts; ++p) order_octets_for_mxfp4(out(first + p).values, int(stride));
+}
+
+void QuantizedBuffer::copy_row(int row, const QuantizedBuffer& src, int src_row) {
+  const size_t to = size_t(row) * parts, from = size_t(src_row) * parts, sums = running_sums_per_row(stride);
+  std::memcpy(values.data() + to * stride, src.values.data() + from * stride, parts * stride);
+  std::memcpy(scales.data() + to, src.scales.data() + from, parts * sizeof(float));
+  std::memcpy(running_sums.data() + to * sums, src.running_sums.data() + from * sums, parts * sums * sizeof(int32_t));
+}
+
+void QuantizedBuffer::zero_rows(int first, int count) {
+  const size_t from = size_t(first) * parts, rows = size_t(count) * parts, sums = running_sums_per_row(stride);
+  std::memset(values.data() + from * stride, 0, rows * stride);
+  std::memset(scales.data() + from, 0, rows * sizeof(float));
+  std::memset(running_sums.data() + from * sums, 0, rows * sums * sizeof(int32_t));
+}
+
+void QuantizedBuffer::release() {
+  values.release();
+  scales.release();
+  running_sums.release();
 }
 
 QuantizedRows QuantizedBuffer::view(int first_row) const {
@@ -246,7 +266,8 @@ MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr
       options_(options),
       quantized_activations_(format.quantized_activations()),
       hidden_stride_(round_up(shape.hidden, 32)),
-      inter_stride_(round_up(shape.intermediate, 32)),
+      routed_stride_(round_up(shape.hidden, 32) + kRowPadBytes / sizeof(bf16_t)),
+      inter_stride_(round_up(shape.intermediate, 32) + kRowPadBytes / sizeof(bf16_t)),
       weights_(std::move(weights)),
       pool_(std::move(pool)) {
   require(pool_ != nullptr, "an engine needs a thread pool");
@@ -264,7 +285,7 @@ MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr
               std::to_string(format.max_k));
   scratch_.resize(pool_->size() + 1);  // the last for the caller of sync()
   parts_ = quantized_activations_ && !options.int8_activations ? 2 : 1;
-  hidden_q_.parts = activation_q_.parts = parts_;
+  hidden_q_.parts = routed_q_.parts = activation_q_.parts = parts_;
 }
 
 std::unique_ptr<MoEEngine> MoEEngine::twin() const {
@@ -394,6 +415,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   // prefetches then run on into the next task's (2 workers, the Xeon VM, qwen3-30b, INT4 and MXFP4
   // T = 1 and 8: 1-3 % faster; at T = 64 INT4 was 3 % slower).
   claim_ahead_ = decode;
+  routed_ = !decode;
   block_groups_ = task_groups(pool_->size(), decode);
   block_cols_ = block_groups_ * kGroupRows;
 
@@ -423,22 +445,38 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   route_token_.resize(total_rows);
   route_weight_.resize(total_rows);
   route_parts_.resize(size_t(total_rows) * parts_);
+  token_rows_.assign(size_t(tokens) * K, -1);
   for (int t = 0; t < tokens; ++t)
     for (int k = 0; k < K; ++k) {
       const int64_t id = ids[size_t(t) * K + k];
       if (id == -1 || weights_->skip[id]) continue;
       const int row = expert_rows_[id]++;
+      token_rows_[size_t(t) * K + k] = row;
       route_token_[row] = t;
       route_weight_[row] = weights[size_t(t) * K + k];
       for (int p = 0; p < parts_; ++p) route_parts_[size_t(row) * parts_ + p] = t * parts_ + p;
     }
 
   // Buffers only grow, so steady-state calls allocate nothing.
+  // The routed rows are followed by kPaddedRows rows of zeros (Activations::padded_rows).
+  const int padded_rows = total_rows + kPaddedRows;
   hidden_.reserve(size_t(tokens) * hidden_stride_);
-  activation_.reserve(size_t(total_rows) * inter_stride_);
+  activation_.reserve(size_t(padded_rows) * inter_stride_);
+  if (routed_) routed_hidden_.reserve(size_t(padded_rows) * routed_stride_);
   if (quantized_activations_) {
     hidden_q_.reserve(tokens, shape_.hidden);
-    activation_q_.reserve(total_rows, shape_.intermediate);
+    activation_q_.reserve(padded_rows, shape_.intermediate);
+    if (routed_) routed_q_.reserve(padded_rows, shape_.hidden);
+  }
+  if (routed_) {
+    std::memset(routed_hidden_.data() + size_t(total_rows) * routed_stride_, 0,
+                size_t(kPaddedRows) * routed_stride_ * sizeof(bf16_t));
+    std::memset(activation_.data() + size_t(total_rows) * inter_stride_, 0,
+                size_t(kPaddedRows) * inter_stride_ * sizeof(bf16_t));
+    if (quantized_activations_) {
+      routed_q_.zero_rows(total_rows, kPaddedRows);
+      activation_q_.zero_rows(total_rows, kPaddedRows);
+    }
   }
   for (ThreadScratch& s : scratch_) {
     s.kernel.reserve(kernel_scratch_bytes(max_rows * parts_, std::max(shape_.hidden, shape_.intermediate)));
@@ -458,7 +496,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   out_ = out;
   out_f32_ = out_f32;
   tokens_ = tokens;
-  quantize_hidden_.reset(quantized_activations_ ? tokens : 0);
+  prepare_hidden_.reset(quantized_activations_ || routed_ ? tokens : 0);
   gate_up_.reset(int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), block_groups_));
   quantize_activation_.reset(quantized_activations_ ? total_rows : 0);
   down_.reset(ceil_div(packed_groups(shape_.hidden), block_groups_));
@@ -536,9 +574,11 @@ void MoEEngine::release_scratch() {
   if (pending_) throw std::logic_error("cannot release buffers while a forward is in flight");
   if (job_in_pool_) pool_->wait_until_left(job_), job_in_pool_ = false;
   hidden_.release();
+  routed_hidden_.release();
   activation_.release();
-  hidden_q_ = QuantizedBuffer{};
-  activation_q_ = QuantizedBuffer{};
+  hidden_q_.release();
+  routed_q_.release();
+  activation_q_.release();
   for (ThreadScratch& s : scratch_) s = ThreadScratch{};
 }
 
@@ -555,10 +595,8 @@ std::vector<std::vector<int>> MoEEngine::worker_cpus() {
 void MoEEngine::forward_worker(int worker) {
   ThreadScratch& s = scratch_[worker];
   workers_in_.fetch_add(1, std::memory_order_relaxed);
-  run_phase(quantize_hidden_, [&](int t, int) {
-    hidden_q_.quantize(t, hidden_.data() + size_t(t) * hidden_stride_, shape_.hidden, format_);
-  });
-  wait_for_count(quantize_hidden_.done, quantize_hidden_.items);
+  run_phase(prepare_hidden_, [&](int t, int) { prepare_hidden_row(t); });
+  wait_for_count(prepare_hidden_.done, prepare_hidden_.items);
   run_phase(gate_up_, [&](int task, int next) { gate_up_task(task, next, s); });
   wait_for_count(gate_up_.done, gate_up_.items);
   run_phase(quantize_activation_, [&](int row, int) {
@@ -568,6 +606,22 @@ void MoEEngine::forward_worker(int worker) {
   if (run_phase(down_, [&](int block, int next) { down_task(block, next, s); })) {
     call_done_.store(true, std::memory_order_release);
     if (!ran_inline_) pool_->notify_done();
+  }
+}
+
+// Token t's hidden row: quantized (integer formats), and copied to its routed rows (routed_).
+void MoEEngine::prepare_hidden_row(int t) {
+  const bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
+  if (quantized_activations_) hidden_q_.quantize(t, row, shape_.hidden, format_);
+  if (!routed_) return;
+  const int K = shape_.top_k;
+  for (int k = 0; k < K; ++k) {
+    const int routed = token_rows_[size_t(t) * K + k];
+    if (routed < 0) continue;
+    bf16_t* dst = routed_hidden_.data() + size_t(routed) * routed_stride_;
+    std::memcpy(dst, row, hidden_stride_ * sizeof(bf16_t));
+    std::memset(dst + hidden_stride_, 0, (routed_stride_ - hidden_stride_) * sizeof(bf16_t));
+    if (quantized_activations_) routed_q_.copy_row(routed, hidden_q_, t);
   }
 }
 
@@ -584,6 +638,11 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   if (quantized_activations_)
     x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
          hidden_q_.view()};
+  if (routed_) {
+    x = {routed_hidden_.data() + size_t(first) * routed_stride_, size_t(routed_stride_), nullptr, rows * parts_};
+    if (quantized_activations_) x.quantized = routed_q_.view(first);
+    x.padded_rows = true;
+  }
   x.scratch = s.kernel.data();
 
   PackedGroups gate = weights_->gate.groups(expert, g0, block_groups);
@@ -616,6 +675,7 @@ void MoEEngine::down_task(int block, int next_block, ThreadScratch& s) {
     const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
     Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = activation_q_.view(first);
+    x.padded_rows = routed_;
     x.scratch = s.kernel.data();
     PackedGroups down = weights_->down.groups(expert, g0, block_groups);
     if (active + 1 < active_experts_.size())

@@ -72,6 +72,12 @@ struct QuantizedBuffer {
   void quantize(int row, const bf16_t* x, int k, const FormatTraits& format);
   // The quantized rows from row `first_row`'s first part on.
   QuantizedRows view(int first_row = 0) const;
+  // Row `row`'s parts from row `src_row` of src (the same stride and parts).
+  void copy_row(int row, const QuantizedBuffer& src, int src_row);
+  // Zeros rows [first, first + count).
+  void zero_rows(int first, int count);
+  // Frees the rows (they grow back with reserve); stride and parts are kept.
+  void release();
 };
 
 // Adds each row's `parts` consecutive output rows of a GEMM on QuantizedBuffer rows (rows * parts
@@ -189,6 +195,7 @@ class MoEEngine {
   // skipped (still counted done: a throw must not leave a worker, nor stall a phase).
   template <typename Task>
   void guarded(Task task) noexcept;
+  void prepare_hidden_row(int t);
   void gate_up_task(int task, int next_task, ThreadScratch& scratch);
   void down_task(int block, int next_block, ThreadScratch& scratch);
   void pack(PackedProjection& dst, SourceProjection src, int slot, size_t source);
@@ -211,7 +218,7 @@ class MoEEngine {
   std::atomic<bool> call_done_{false};  // every item of the call in flight is done
   bool may_stand_in_ = false;           // sync() may take items: the workers were asleep at submit
   std::atomic<int> workers_in_{0};      // threads that have begun their part of the call in flight
-  int hidden_stride_, inter_stride_;  // activation row strides, zero padded
+  int hidden_stride_, routed_stride_, inter_stride_;  // activation row strides, zero padded
   std::shared_ptr<ExpertWeights> weights_;
 
   // State of the call in flight.
@@ -222,15 +229,22 @@ class MoEEngine {
   std::vector<int> route_offset_;        // per active expert: first routed row; last = total rows
   std::vector<int32_t> route_token_;     // per routed row: its token
   std::vector<int32_t> route_parts_;     // per routed row, per part: its quantized hidden row
+  std::vector<int32_t> token_rows_;      // per token, per top-k slot: its routed row (-1: none)
+  // Prefill (more than kDecodeMaxTokens tokens): gate and up read each token's hidden row copied to
+  // its routed rows (routed_hidden_, routed_q_), so an expert's rows lie together and a tile kernel
+  // reads them in place instead of gathering them in every task.
+  bool routed_ = false;
   std::vector<float> route_weight_;      // per routed row: its routing weight
   std::vector<int> expert_rows_;         // per expert id: routed rows (counting pass)
   AlignedBuffer<bf16_t> hidden_;         // [tokens, hidden_stride_]
-  AlignedBuffer<bf16_t> activation_;     // [routed rows, inter_stride_]: silu(gate) * up
-  QuantizedBuffer hidden_q_, activation_q_;  // the same rows quantized (integer formats)
+  AlignedBuffer<bf16_t> routed_hidden_;  // [routed rows + kPaddedRows, routed_stride_] (routed_)
+  AlignedBuffer<bf16_t> activation_;     // [routed rows + kPaddedRows, inter_stride_]: silu(gate) * up
+  // The same rows quantized (integer formats).
+  QuantizedBuffer hidden_q_, routed_q_, activation_q_;
   std::vector<ThreadScratch> scratch_;
-  // The phases, in order: hidden rows quantized (integer formats), gate/up tasks, intermediate rows
-  // quantized (integer formats), down tasks.
-  Phase quantize_hidden_, gate_up_, quantize_activation_, down_;
+  // The phases, in order: hidden rows quantized (integer formats) and copied to their routed rows
+  // (routed_), gate/up tasks, intermediate rows quantized (integer formats), down tasks.
+  Phase prepare_hidden_, gate_up_, quantize_activation_, down_;
   std::atomic<bool> failed_{false};
   std::exception_ptr failure_;  // the first exception of the call in flight; set once failed_ is won
 

@@ -71,6 +71,10 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
 // (INT8, INT4, MXFP4) also `quantized`, indexed the same way.
 // scratch: kernel_scratch_bytes(rows, k) bytes, sized by the caller before the job starts, for a
 // kernel that widens or gathers its rows first.
+constexpr int kPaddedRows = 32;
+// Row strides of the engine's activation buffers are this many bytes over a multiple of 64: rows a
+// multiple of 4 KiB apart would put the 16 rows of a tile load into one L1 set.
+constexpr size_t kRowPadBytes = 64;
 struct Activations {
   const bf16_t* base;
   size_t stride;
@@ -78,6 +82,10 @@ struct Activations {
   int rows;
   QuantizedRows quantized = {};
   uint8_t* scratch = nullptr;
+  // With row_ids null: the rows after the last, up to the next multiple of kPaddedRows (bf16 rows,
+  // and quantized rows), may be read too. A tile kernel then takes the rows in place; what it
+  // computes from the extra rows is dropped.
+  bool padded_rows = false;
   size_t index(int i) const { return size_t(row_ids ? row_ids[i] : i); }
   const bf16_t* row(int i) const { return base + index(i) * stride; }
   QuantizedRow quantized_row(int i) const {
