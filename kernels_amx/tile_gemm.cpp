@@ -86,17 +86,18 @@ struct Int8Rows {
   static void dots() { block_dots_s8u8(); }
 };
 
-// ---- Weight formats, each: Rows (the activations their tiles take), chunk_inputs(w) (inputs per
-// scaling step, a multiple of 32 or, INT8, 64),
-// lines(w, group, k0, count, buffer) (the B-tile lines of inputs [k0, k0 + count) of the group:
+// ---- Weight formats, each: Rows (the activations their tiles take), kGroupBytesPerInput (so
+// input k0 of a group is packed at k0 * kGroupBytesPerInput), chunk_inputs(w) (inputs per scaling
+// step, a multiple of 32 or, INT8, 64), lines(w, group, k0, count, buffer) (the B-tile lines of inputs [k0, k0 + count) of the group:
 // decoded into buffer, or in place), scales(w, group, k0) (16 floats to multiply the chunk's sums
 // by, or null). ----
 
 struct Bf16Weights {
   using Rows = Bf16Rows;
+  static constexpr int kGroupBytesPerInput = 32;  // packed bytes of a group per input
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
-  // No software prefetch: the hardware prefetcher follows the tile loads' streams (prefetching each
-  // line 4 KiB ahead made qwen3-30b T = 512 on the 2-core AMX VM 68-75 -> 87 ms).
+  // Read in place. The driver prefetches the next pair's lines into L2 (next_pair); prefetching
+  // each line 4 KiB ahead into L1 instead made qwen3-30b T = 512 on the 2-core AMX VM 68-75 -> 87 ms.
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int, uint8_t*) {
     return w.values + size_t(group) * w.group_bytes + size_t(k0 / 2) * kLineBytes;
   }
@@ -113,6 +114,7 @@ constexpr int kMinNormalE8M0 = 2, kMaxNormalE8M0 = 252;
 
 struct Mxfp4Weights {
   using Rows = Bf16Rows;
+  static constexpr int kGroupBytesPerInput = 8;  // packed bytes of a group per input
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / kMxfp4Block) * 4 * kMxfp4ChunkBytes;
@@ -121,8 +123,6 @@ struct Mxfp4Weights {
     const __m512i code_pair = _mm512_set1_epi32(0x000F000F), magnitude = _mm512_set1_epi16(0x7);
     uint8_t* out = buffer;
     for (int b = 0; b < count / kMxfp4Block; ++b, values += 4 * kMxfp4ChunkBytes) {
-      for (int c = 0; c < 4; ++c)
-        asm volatile("prefetcht0 %0" : : "m"(values[c * kMxfp4ChunkBytes + kWeightPrefetchBytes]));
       // Row r's scale as an addend to the bf16 exponent, in both halves of its 32-bit lane.
       __m512i scale = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * kGroupRows)));
       scale = _mm512_or_si512(scale, _mm512_slli_epi32(scale, 16));
@@ -169,6 +169,7 @@ constexpr int kMinBf16Int4Group = 64;
 
 struct Int4Weights {
   using Rows = Bf16Rows;
+  static constexpr int kGroupBytesPerInput = 8;  // packed bytes of a group per input
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / 8) * kLineBytes;
@@ -177,7 +178,6 @@ struct Int4Weights {
     const __m512i second = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kSecondPairs)));
     uint8_t* out = buffer;
     for (int c = 0; c < count / 8; ++c, values += kLineBytes) {
-      asm volatile("prefetcht0 %0" : : "m"(values[kWeightPrefetchBytes]));
       const __m512i words = _mm512_load_si512(values);
       // Octet c: inputs 8c + {0, 1} (low nibbles of bytes 0, 1), {2, 3} (bytes 2, 3), then the
       // high nibbles for {4, 5} and {6, 7}.
@@ -197,10 +197,12 @@ struct Int4Weights {
 
 struct Fp8Weights {
   using Rows = Bf16Rows;
+  static constexpr int kGroupBytesPerInput = 16;  // packed bytes of a group per input
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group > 0 ? w.scale_group : kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
-    avx512::decode_fp8(w.values + size_t(group) * w.group_bytes + size_t(k0) * kGroupRows,
-                       reinterpret_cast<bf16_t*>(buffer), size_t(count) * kGroupRows);
+    const uint8_t* codes = w.values + size_t(group) * w.group_bytes + size_t(k0) * kGroupRows;
+    for (size_t i = 0; i < size_t(count) * kGroupRows; i += 32)
+      _mm512_store_si512(buffer + i * sizeof(bf16_t), avx512::decode_fp8_line<>(codes + i));
     return buffer;
   }
   static const float* scales(const PackedGroups& w, int group, int k0) {
@@ -214,6 +216,7 @@ struct Fp8Weights {
 // per row at the end.
 struct Int8Weights {
   using Rows = Int8Rows;
+  static constexpr int kGroupBytesPerInput = 16;  // packed bytes of a group per input
   static int chunk_inputs(const PackedGroups&) { return 2 * kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int, uint8_t*) {
     return w.values + size_t(group) * w.group_bytes + size_t(k0 / 4) * kLineBytes;
@@ -250,6 +253,22 @@ void write_outputs(const Activations& x, const PackedGroups& w, const GatheredRo
   }
 }
 
+// The packed weights of the pair of groups after (set, g, k0) in the driver's order.
+template <class Weights>
+StreamPrefetch next_pair(const PackedGroups& w, int set, int g, int k0, int chunk) {
+  const int set_groups = std::min(kSetGroups, w.groups - set);
+  int group = set + g + kBlockGroups;
+  if (g + kBlockGroups >= set_groups) {
+    group = set;
+    k0 += chunk;
+    if (k0 >= w.k) group += kSetGroups, k0 = 0;
+  }
+  if (group >= w.groups) return {};
+  const size_t offset = size_t(k0) * Weights::kGroupBytesPerInput;
+  return {w.values + size_t(group) * w.group_bytes + offset,
+          w.values + size_t(std::min(group + 1, w.groups - 1)) * w.group_bytes + offset};
+}
+
 template <class Weights>
 void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   using V = avx512::Vec;
@@ -275,8 +294,16 @@ void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t
           lines[h] = Weights::lines(w, group, k0, count, decoded + h * kChunkBytes);
           scales[h] = Weights::scales(w, group, k0);
         }
+        // The next pair's weights are fetched into L2 while this pair's products run, spread over the
+        // steps of all its row blocks.
+        StreamPrefetch prefetch = next_pair<Weights>(w, set, g, k0, chunk);
+        const int steps = count / Rows::kStepInputs;
+        if (prefetch.b0 != nullptr)
+          prefetch.per_step = round_up(size_t(Weights::kGroupBytesPerInput) * Rows::kStepInputs * kBlockRows / a.padded_rows,
+                                       size_t(64));
         for (int i = 0; i < a.padded_rows; i += kBlockRows) {
           float* sum = sums + size_t(i) * kSetOutputs + g * kGroupRows;
+          prefetch.first = size_t(i / kBlockRows) * steps * prefetch.per_step;
           if (scales[0] == nullptr && k0 > 0) {
             load_block(sum, kSumsBytes);
           } else {
@@ -286,7 +313,7 @@ void gemm_on_tiles(const Activations& x, const PackedGroups& w, float* y, size_t
             KT_TILE_ZERO(3);
           }
           add_block_product(a.values + size_t(i) * a.stride + k0 * Rows::kElementBytes, a.stride, lines[0], lines[1],
-                            count * Rows::kElementBytes, Rows::dots);
+                            count * Rows::kElementBytes, Rows::dots, prefetch);
           if (scales[0] == nullptr) {
             store_block(sum, kSumsBytes);
             continue;

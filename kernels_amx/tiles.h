@@ -145,10 +145,24 @@ inline TileRows quantized_tile_rows(const Activations& x, int rows, int k) {
 // steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, 64 bytes of each per step, `bytes` in
 // all) times B (tiles 6, 7 from b0, b1: 16 rows of 64 bytes per step). `dots()` runs the four tile
 // products (block_dots_*).
+// Lines of two weight streams to prefetch into L2 while a block product runs, spread over its
+// steps: `per_step` bytes of each from `first` on.
+struct StreamPrefetch {
+  const uint8_t* b0 = nullptr;
+  const uint8_t* b1 = nullptr;
+  size_t first = 0, per_step = 0;
+};
+
 template <class Dots>
-void add_block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots) {
+void add_block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots,
+                       StreamPrefetch next = {}) {
   const uint8_t* a = static_cast<const uint8_t*>(x);
+  size_t ahead = next.first;
   for (size_t offset = 0; offset < bytes; offset += kTileBytes) {
+    for (const size_t end = ahead + next.per_step; ahead < end; ahead += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(next.b0 + ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next.b1 + ahead), _MM_HINT_T1);
+    }
     KT_TILE_LOAD(4, a + offset, x_bytes);
     KT_TILE_LOAD(5, a + kTileRows * x_bytes + offset, x_bytes);
     KT_TILE_LOAD(6, b0 + kTileRows * offset, kTileBytes);

@@ -115,14 +115,6 @@ inline __m512i decode_fp8_line(const uint8_t* codes) {
   return decode_fp8_normal(raw);
 }
 
-// count codes -> bf16 in memory, count a multiple of 32 (the amx build, fp8_via_bf16.h).
-inline void decode_fp8(const uint8_t* codes, bf16_t* out, size_t count) {
-  for (size_t i = 0; i < count; i += 32) {
-    _mm_prefetch(reinterpret_cast<const char*>(codes + i) + kFp8PrefetchBytes, _MM_HINT_T0);
-    _mm512_store_si512(out + i, decode_fp8_line<>(codes + i));
-  }
-}
-
 // FP8 on vdpbf16ps (fp8_tiles.h): decoded weight lines straight as its operands; Decode(codes)
 // gives 32 codes as bf16. A template, so that only the files compiled with -mavx512bf16 (which call
 // it after a CPUID check) instantiate it.

@@ -18,8 +18,4 @@ constexpr uint16_t fp8_magnitude_bf16(int m) {
   return m < 8 ? kFp8SubnormalBf16[m] : uint16_t((m << 4) + kFp8NormalBias);
 }
 
-// The decoders prefetch the codes this far ahead: a group's codes are one stream along K, read
-// a block at a time between GEMMs, too slowly for the hardware prefetcher alone to keep DRAM busy.
-constexpr int kFp8PrefetchBytes = 4096;
-
 KT_NAMESPACE_END
