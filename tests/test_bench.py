@@ -126,3 +126,17 @@ def test_bench_avx512_plain(tmp_path):
                        "--variant", "avx512-plain", "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert {row["variant"] for row in json.loads(out.read_text())["rows"]} == {"avx512-plain"}
+
+
+def test_forced_builds_hold_torch_to_their_instruction_set():
+    from kt_kernel.bench import variant_runs
+
+    assert variant_runs("auto") == [("", {})]
+    if missing_flags("avx2", HOST_FLAGS):
+        pytest.skip("this CPU cannot run the avx2 build")
+    ((build, env),) = variant_runs("avx2")
+    assert build == "avx2" and env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    if not missing_flags("avx512", HOST_FLAGS):
+        ((build, env),) = variant_runs("avx512-plain")
+        assert build == "avx512" and env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+        assert env["KT_KERNEL_DISABLE_AVX512_BF16"] == "1"

@@ -543,6 +543,13 @@ def progress(done: int, total: int, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # The AVX512 build without its BF16 and VNNI paths: the code Skylake-SP runs.
 PLAIN_AVX512_ENV = {"KT_KERNEL_DISABLE_AVX512_BF16": "1", "KT_KERNEL_DISABLE_AVX512_VNNI": "1"}
+# A build forced below what the CPU has is compared with torch held to that build's instructions too,
+# as on the CPUs the loader picks that build for: oneDNN's (F.linear in bf16) and ATen's own kernels.
+TORCH_ISA_ENV = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    "avx512-plain": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+}
 
 
 def runnable_variants() -> list[str]:
@@ -571,7 +578,8 @@ def variant_runs(spec: str) -> list[tuple[str, dict[str, str]]]:
             raise ValueError(f"--variant {name!r} is not a build; valid values: {valid}")
         if build not in runnable:
             raise ValueError(f"--variant {name}: this CPU cannot run the {build} build")
-        runs.append((build, PLAIN_AVX512_ENV if name == "avx512-plain" else {}))
+        plain = PLAIN_AVX512_ENV if name == "avx512-plain" else {}
+        runs.append((build, plain | TORCH_ISA_ENV.get(name, {})))
     return runs
 
 
@@ -609,7 +617,9 @@ def format_table(result: dict) -> str:
         "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it uses neither; on AMX hardware, AMX-BF16 "
         "tdpbf16ps for every format).\ntorch: per-expert "
         "F.linear in bf16 (bf16, mxfp4), torch._weight_int8pack_mm (int8), _weight_int4pack_mm_for_cpu "
-        "(int4).\n-i8act: the opt-in int8_activations=True mode (lossy on outlier activations)."
+        "(int4); with a build forced (--variant), torch is held to that build's instruction set (oneDNN's "
+        "ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY)."
+        "\n-i8act: the opt-in int8_activations=True mode (lossy on outlier activations)."
     )
     return "\n".join(lines)
 
