@@ -86,15 +86,15 @@ struct Int8Rows {
   static void dots() { block_dots_s8u8(); }
 };
 
-// ---- Weight formats, each: Rows (the activations their tiles take), kGroupBytesPerInput (so
-// input k0 of a group is packed at k0 * kGroupBytesPerInput), chunk_inputs(w) (inputs per scaling
-// step, a multiple of 32 or, INT8, 64), lines(w, group, k0, count, buffer) (the B-tile lines of inputs [k0, k0 + count) of the group:
-// decoded into buffer, or in place), scales(w, group, k0) (16 floats to multiply the chunk's sums
-// by, or null). ----
+// ---- Weight formats, each: Rows (the activations their tiles take), kGroupBytesPerInput (input
+// k0 of a group is packed k0 * kGroupBytesPerInput bytes in), chunk_inputs(w) (inputs per scaling
+// step, a multiple of 32 or, INT8, 64), lines(w, group, k0, count, buffer) (the B-tile lines of
+// inputs [k0, k0 + count) of the group: decoded into buffer, or in place), scales(w, group, k0)
+// (16 floats to multiply the chunk's sums by, or null). ----
 
 struct Bf16Weights {
   using Rows = Bf16Rows;
-  static constexpr int kGroupBytesPerInput = 32;  // packed bytes of a group per input
+  static constexpr int kGroupBytesPerInput = 32;
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
   // Read in place. The driver prefetches the next pair's lines into L2 (next_pair); prefetching
   // each line 4 KiB ahead into L1 instead made qwen3-30b T = 512 on the 2-core AMX VM 68-75 -> 87 ms.
@@ -114,7 +114,7 @@ constexpr int kMinNormalE8M0 = 2, kMaxNormalE8M0 = 252;
 
 struct Mxfp4Weights {
   using Rows = Bf16Rows;
-  static constexpr int kGroupBytesPerInput = 8;  // packed bytes of a group per input
+  static constexpr int kGroupBytesPerInput = 8;
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / kMxfp4Block) * 4 * kMxfp4ChunkBytes;
@@ -169,7 +169,7 @@ constexpr int kMinBf16Int4Group = 64;
 
 struct Int4Weights {
   using Rows = Bf16Rows;
-  static constexpr int kGroupBytesPerInput = 8;  // packed bytes of a group per input
+  static constexpr int kGroupBytesPerInput = 8;
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / 8) * kLineBytes;
@@ -197,7 +197,7 @@ struct Int4Weights {
 
 struct Fp8Weights {
   using Rows = Bf16Rows;
-  static constexpr int kGroupBytesPerInput = 16;  // packed bytes of a group per input
+  static constexpr int kGroupBytesPerInput = 16;
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group > 0 ? w.scale_group : kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
     const uint8_t* codes = w.values + size_t(group) * w.group_bytes + size_t(k0) * kGroupRows;
@@ -216,7 +216,7 @@ struct Fp8Weights {
 // per row at the end.
 struct Int8Weights {
   using Rows = Int8Rows;
-  static constexpr int kGroupBytesPerInput = 16;  // packed bytes of a group per input
+  static constexpr int kGroupBytesPerInput = 16;
   static int chunk_inputs(const PackedGroups&) { return 2 * kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int, uint8_t*) {
     return w.values + size_t(group) * w.group_bytes + size_t(k0 / 4) * kLineBytes;

@@ -141,10 +141,6 @@ inline TileRows quantized_tile_rows(const Activations& x, int rows, int k) {
   return {gathered, size_t(k), size_t(rows) * k};
 }
 
-// The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) += the sum over
-// steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, 64 bytes of each per step, `bytes` in
-// all) times B (tiles 6, 7 from b0, b1: 16 rows of 64 bytes per step). `dots()` runs the four tile
-// products (block_dots_*).
 // Lines of two weight streams to prefetch into L2 while a block product runs, spread over its
 // steps: `per_step` bytes of each from `first` on.
 struct StreamPrefetch {
@@ -153,6 +149,10 @@ struct StreamPrefetch {
   size_t first = 0, per_step = 0;
 };
 
+// The block product of every tile kernel: C tiles 0-3 (A rows 0-15 / 16-31 x B 0 / 1) += the sum over
+// steps of A (tiles 4, 5: 32 rows of x, row stride x_bytes, 64 bytes of each per step, `bytes` in
+// all) times B (tiles 6, 7 from b0, b1: 16 rows of 64 bytes per step). `dots()` runs the four tile
+// products (block_dots_*); `next`'s lines are prefetched meanwhile.
 template <class Dots>
 void add_block_product(const void* x, size_t x_bytes, const uint8_t* b0, const uint8_t* b1, size_t bytes, Dots dots,
                        StreamPrefetch next = {}) {

@@ -174,3 +174,20 @@ def test_fp16_fp32_and_leading_dims_give_the_bf16_2d_result():
     assert out.shape == (12, 128) and torch.equal(out, expected)
     out = moe.forward(x.view(3, 4, 128), ids.int(), topk_weights)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("tokens", [8, 64])
+def test_clear_buffer_cache_keeps_quantized_results(int8_activations, tokens):
+    """The freed buffers grow back with the engine's layout (one or two quantized rows per row)."""
+    from kt_kernel import KTMoEWrapper
+
+    experts, top_k, hidden, inter = QWEN3
+    load, _ = stored_weights("INT8", experts, hidden, inter)
+    x = activations(tokens, hidden, 0)
+    ids, topk_weights = routing(tokens, experts, top_k, hot=False)
+    moe = moe_wrapper(*QWEN3, method="INT8", int8_activations=int8_activations)
+    moe.load_weights_from_tensors(*load["tensors"], **load["scales"])
+    before = moe.forward(x, ids, topk_weights)
+    KTMoEWrapper.clear_buffer_cache()
+    assert torch.equal(moe.forward(x, ids, topk_weights), before)
