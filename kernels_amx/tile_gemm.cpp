@@ -86,11 +86,17 @@ struct Int8Rows {
   static void dots() { block_dots_s8u8(); }
 };
 
-// ---- Weight formats, each: Rows (the activations their tiles take), kGroupBytesPerInput (input
-// k0 of a group is packed k0 * kGroupBytesPerInput bytes in), chunk_inputs(w) (inputs per scaling
-// step, a multiple of 32 or, INT8, 64), lines(w, group, k0, count, buffer) (the B-tile lines of
-// inputs [k0, k0 + count) of the group: decoded into buffer, or in place), scales(w, group, k0)
-// (16 floats to multiply the chunk's sums by, or null). ----
+// ---- Weight formats, each: Rows (the activations their tiles take), kGroupBytesPerInput (packed
+// bytes per input of a group: packed_at), chunk_inputs(w) (inputs per scaling step, a multiple of
+// 32 or, INT8, 64), lines(w, group, k0, count, buffer) (the B-tile lines of inputs [k0, k0 + count)
+// of the group: decoded into buffer, or in place), scales(w, group, k0) (16 floats to multiply the
+// chunk's sums by, or null). ----
+
+// Input k0 of a group of `Weights` in the packed layout.
+template <class Weights>
+const uint8_t* packed_at(const PackedGroups& w, int group, int k0) {
+  return w.values + size_t(group) * w.group_bytes + size_t(k0) * Weights::kGroupBytesPerInput;
+}
 
 struct Bf16Weights {
   using Rows = Bf16Rows;
@@ -99,7 +105,7 @@ struct Bf16Weights {
   // Read in place. The driver prefetches the next pair's lines into L2 (next_pair); prefetching
   // each line 4 KiB ahead into L1 instead made qwen3-30b T = 512 on the 2-core AMX VM 68-75 -> 87 ms.
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int, uint8_t*) {
-    return w.values + size_t(group) * w.group_bytes + size_t(k0 / 2) * kLineBytes;
+    return packed_at<Bf16Weights>(w, group, k0);
   }
   static const float* scales(const PackedGroups&, int, int) { return nullptr; }
 };
@@ -117,7 +123,7 @@ struct Mxfp4Weights {
   static constexpr int kGroupBytesPerInput = 8;
   static int chunk_inputs(const PackedGroups&) { return kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
-    const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / kMxfp4Block) * 4 * kMxfp4ChunkBytes;
+    const uint8_t* values = packed_at<Mxfp4Weights>(w, group, k0);
     const uint8_t* scales = w.scales + size_t(group) * w.group_scale_bytes + size_t(k0 / kMxfp4Block) * kGroupRows;
     const __m512i table = _mm512_load_si512(kE2m1Bf16);
     const __m512i code_pair = _mm512_set1_epi32(0x000F000F), magnitude = _mm512_set1_epi16(0x7);
@@ -172,7 +178,7 @@ struct Int4Weights {
   static constexpr int kGroupBytesPerInput = 8;
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
-    const uint8_t* values = w.values + size_t(group) * w.group_bytes + size_t(k0 / 8) * kLineBytes;
+    const uint8_t* values = packed_at<Int4Weights>(w, group, k0);
     const __m512i table = _mm512_load_si512(kInt4Bf16), nibble = _mm512_set1_epi16(0xF);
     const __m512i first = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kFirstPairs)));
     const __m512i second = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kSecondPairs)));
@@ -200,7 +206,7 @@ struct Fp8Weights {
   static constexpr int kGroupBytesPerInput = 16;
   static int chunk_inputs(const PackedGroups& w) { return w.scale_group > 0 ? w.scale_group : kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int count, uint8_t* buffer) {
-    const uint8_t* codes = w.values + size_t(group) * w.group_bytes + size_t(k0) * kGroupRows;
+    const uint8_t* codes = packed_at<Fp8Weights>(w, group, k0);
     for (size_t i = 0; i < size_t(count) * kGroupRows; i += 32)
       _mm512_store_si512(buffer + i * sizeof(bf16_t), avx512::decode_fp8_line<>(codes + i));
     return buffer;
@@ -219,7 +225,7 @@ struct Int8Weights {
   static constexpr int kGroupBytesPerInput = 16;
   static int chunk_inputs(const PackedGroups&) { return 2 * kChunkInputs; }
   static const uint8_t* lines(const PackedGroups& w, int group, int k0, int, uint8_t*) {
-    return w.values + size_t(group) * w.group_bytes + size_t(k0 / 4) * kLineBytes;
+    return packed_at<Int8Weights>(w, group, k0);
   }
   static const float* scales(const PackedGroups&, int, int) { return nullptr; }
 };
@@ -264,9 +270,7 @@ StreamPrefetch next_pair(const PackedGroups& w, int set, int g, int k0, int chun
     if (k0 >= w.k) group += kSetGroups, k0 = 0;
   }
   if (group >= w.groups) return {};
-  const size_t offset = size_t(k0) * Weights::kGroupBytesPerInput;
-  return {w.values + size_t(group) * w.group_bytes + offset,
-          w.values + size_t(std::min(group + 1, w.groups - 1)) * w.group_bytes + offset};
+  return {packed_at<Weights>(w, group, k0), packed_at<Weights>(w, std::min(group + 1, w.groups - 1), k0)};
 }
 
 template <class Weights>

@@ -635,13 +635,13 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
   // The integer formats read each token's quantized parts as rows of their own (route_parts_).
   Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
-  if (quantized_activations_)
-    x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
-         hidden_q_.view()};
   if (routed_) {
     x = {routed_hidden_.data() + size_t(first) * routed_stride_, size_t(routed_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = routed_q_.view(first);
     x.padded_rows = true;
+  } else if (quantized_activations_) {
+    x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
+         hidden_q_.view()};
   }
   x.scratch = s.kernel.data();
 
