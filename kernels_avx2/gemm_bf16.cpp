@@ -158,24 +158,14 @@ struct Fp8ViaF16Tile {
 // bytes, without widening them first. A normal code s eeee mmm is the bf16 s | (e + 120) << 7 |
 // m << 4: its high byte is s << 7 | (60 + (e >> 1)), a lookup of the code's high nibble, and its low
 // byte (code << 4) & 0xF0 (120 is even). Unpacking the two gives `first` = rows 0-3 and 8-11 and
-// `second` = rows 4-7 and 12-15, each 32-bit lane a row's two inputs. A pair with a zero or
-// subnormal code (exponent field 0) takes the exact decoder (a call: slow, hence the sampling).
+// `second` = rows 4-7 and 12-15, each 32-bit lane a row's two inputs. The pairs that hold a zero or
+// subnormal code (exponent field 0), which the group's bitmap marks (kernels.h), take the exact
+// decoder instead.
 struct Bf16Halves {
   __m256i first, second;
 };
-// Whether all 32 codes are normal: (code & 0x78) + 0x78 carries into bit 7 exactly when the exponent
-// field is not 0.
-inline bool fp8_codes_normal(__m256i raw) {
-  const __m256i exponent = _mm256_and_si256(raw, _mm256_set1_epi8(0x78));
-  return _mm256_testc_si256(_mm256_add_epi8(exponent, _mm256_set1_epi8(0x78)), _mm256_set1_epi8(char(0x80)));
-}
 inline Bf16Halves fp8_pair_to_bf16(const uint8_t* codes) {
   const __m256i raw = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
-  if (__builtin_expect(!fp8_codes_normal(raw), 0)) {
-    const __m256i halves = _mm256_permute4x64_epi64(raw, 0xD8);  // bytes 0-7, 16-23 | 8-15, 24-31
-    return {decode_fp8_line_exact(_mm256_castsi256_si128(halves)),
-            decode_fp8_line_exact(_mm256_extracti128_si256(halves, 1))};
-  }
   // High nibble s e3 e2 e1 -> s << 7 | (60 + e3 e2 e1). A register constant: Vec::lookup16's table
   // from memory made the tile 10 % slower (its broadcast stayed in the loop).
   const __m256i high_bytes = _mm256_setr_epi8(60, 61, 62, 63, 64, 65, 66, 67, char(188), char(189), char(190), char(191),
@@ -187,38 +177,60 @@ inline Bf16Halves fp8_pair_to_bf16(const uint8_t* codes) {
   const __m256i low = _mm256_and_si256(_mm256_slli_epi16(raw, 4), _mm256_set1_epi8(char(0xF0)));
   return {_mm256_unpacklo_epi8(low, high), _mm256_unpackhi_epi8(low, high)};
 }
+inline Bf16Halves fp8_pair_to_bf16_exact(const uint8_t* codes) {
+  const __m256i halves = _mm256_permute4x64_epi64(_mm256_load_si256(reinterpret_cast<const __m256i*>(codes)),
+                                                  0xD8);  // bytes 0-7, 16-23 | 8-15, 24-31
+  return {decode_fp8_line_exact(_mm256_castsi256_si128(halves)),
+          decode_fp8_line_exact(_mm256_extracti128_si256(halves, 1))};
+}
 
 template <int M, int NV>
 struct Fp8BytesTile {
+  using Sums = __m256[M][NV][2];  // [0]: rows 0-3 and 8-11 of the group, [1]: rows 4-7 and 12-15
+
+  // The activations are broadcast for each use (fma_group), so that the sums and one group's
+  // weights stay in registers for up to five rows.
+  template <bool kExact>
+  [[gnu::always_inline]] static inline void add_pair(const float* const* x, const PackedGroups& w, int p, Sums& sums) {
+    for (int g = 0; g < NV; ++g) {
+      const uint8_t* codes = w.values + g * w.group_bytes + size_t(p) * 2 * kGroupRows;
+      if (p % 2 == 0) prefetch_weights(w, g, codes);  // one per 64-byte line
+      const Bf16Halves bf16 = kExact ? fp8_pair_to_bf16_exact(codes) : fp8_pair_to_bf16(codes);
+      const GroupPair pair = {{even_bf16(bf16.first), even_bf16(bf16.second)},
+                              {odd_bf16(bf16.first), odd_bf16(bf16.second)}};
+      for (int i = 0; i < M; ++i) fma_group(sums[i][g][0], sums[i][g][1], x[i] + 2 * p, pair);
+    }
+  }
+
+  // Pairs [begin, end), inside one 64-pair word of the bitmaps: runs of normal pairs, each marked
+  // pair after a run by the exact decoder.
+  static void add_pairs(const float* const* x, const PackedGroups& w, int begin, int end, Sums& sums) {
+    uint64_t small = 0;
+    for (int g = 0; g < NV; ++g) small |= fp8_small_codes(w, g)[begin / 64];
+    small >>= begin % 64;
+    if (end - begin < 64) small &= (uint64_t(1) << (end - begin)) - 1;
+    for (int p = begin;;) {
+      const int run_end = small == 0 ? end : begin + __builtin_ctzll(small);
+      for (; p < run_end; ++p) add_pair<false>(x, w, p, sums);
+      if (p == end) return;
+      add_pair<true>(x, w, p++, sums);
+      small &= small - 1;
+    }
+  }
+
   static void run(const float* const* x, const PackedGroups& w, float* y, size_t y_stride) {
     const int pairs = round_up(w.k, 2) / 2;
     const int block_pairs = w.scale_group > 0 ? w.scale_group / 2 : pairs;
-    __m256 acc[M][NV][2];  // [0]: rows 0-3 and 8-11 of the group, [1]: rows 4-7 and 12-15
+    __m256 acc[M][NV][2];  // as Sums
     for (int i = 0; i < M; ++i)
       for (int g = 0; g < NV; ++g) acc[i][g][0] = acc[i][g][1] = _mm256_setzero_ps();
     for (int p0 = 0, block = 0; p0 < pairs; p0 += block_pairs, ++block) {
-      __m256 sums[M][NV][2];
+      Sums sums;
       for (int i = 0; i < M; ++i)
         for (int g = 0; g < NV; ++g) sums[i][g][0] = sums[i][g][1] = _mm256_setzero_ps();
-      int p = p0;
-      do {  // (p0 < pairs: at least once)
-        __m256 x_even[M], x_odd[M];
-        for (int i = 0; i < M; ++i) {
-          x_even[i] = _mm256_broadcast_ss(x[i] + 2 * p);
-          x_odd[i] = _mm256_broadcast_ss(x[i] + 2 * p + 1);
-        }
-        for (int g = 0; g < NV; ++g) {
-          const uint8_t* codes = w.values + g * w.group_bytes + size_t(p) * 2 * kGroupRows;
-          if (p % 2 == 0) prefetch_weights(w, g, codes);  // one per 64-byte line
-          const Bf16Halves bf16 = fp8_pair_to_bf16(codes);
-          const __m256i halves[2] = {bf16.first, bf16.second};
-          for (int h = 0; h < 2; ++h) {
-            const __m256 even = even_bf16(halves[h]), odd = odd_bf16(halves[h]);
-            for (int i = 0; i < M; ++i)
-              sums[i][g][h] = _mm256_fmadd_ps(odd, x_odd[i], _mm256_fmadd_ps(even, x_even[i], sums[i][g][h]));
-          }
-        }
-      } while (++p < std::min(pairs, p0 + block_pairs));
+      const int end = std::min(pairs, p0 + block_pairs);
+      for (int begin = p0; begin < end; begin = std::min(end, (begin / 64 + 1) * 64))
+        add_pairs(x, w, begin, std::min(end, (begin / 64 + 1) * 64), sums);
       for (int g = 0; g < NV; ++g) {
         const float* scales = reinterpret_cast<const float*>(w.scales + g * w.group_scale_bytes) + block * kGroupRows;
         const __m256 rows_0_7 = _mm256_loadu_ps(scales), rows_8_15 = _mm256_loadu_ps(scales + 8);
@@ -237,33 +249,33 @@ struct Fp8BytesTile {
   }
 };
 
-// Whether w's codes look normal: at most 1 of the first 16 input pairs (512 bytes) of its first
-// group holds a zero or subnormal code. Gaussian weights with a scale per block have about one such
-// code in 10^4, so nearly every call passes; a matrix with many (pruned to zeros, say) fails and keeps
-// the tiles that need no check: one core, one row, 768 x 2048 in cache, 1 % zero codes:
+// Whether w's codes look normal: at most one in 16 input pairs of its first group holds a zero or
+// subnormal code (its bitmap, kernels.h). Gaussian weights with a scale per block have about one such
+// code in 10^4, so nearly every matrix passes; one with many (pruned to zeros, say) fails and keeps
+// the tiles that decode every code exactly: one core, one row, 768 x 2048 in cache, 1 % zero codes:
 // Fp8BytesTile 4.3 Gweights/s, Fp8ViaF16Tile 11.8.
 inline bool fp8_codes_look_normal(const PackedGroups& w) {
-  const int pairs = std::min(16, round_up(w.k, 2) / 2);
+  const uint64_t* small_codes = fp8_small_codes(w, 0);
   int with_small_codes = 0;
-  for (int p = 0; p < pairs; ++p)
-    with_small_codes += !fp8_codes_normal(_mm256_load_si256(reinterpret_cast<const __m256i*>(w.values) + p));
-  return with_small_codes <= 1;
+  for (int word = 0; word < fp8_small_code_words(w.k); ++word)
+    with_small_codes += __builtin_popcountll(small_codes[word]);
+  return with_small_codes * 16 <= ceil_div(w.k, 2);
 }
 
 }  // namespace
 
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   const WidenedRows row = widen_rows(x, w.k);
-  // Up to four rows of normal codes: Fp8BytesTile (one core, 768 x 2048 in cache, GOP/s against the
-  // tiles below: 1 row 26-27 vs 23-26, 2 rows 41 vs 40-43, 3 rows 49-50 vs 41-42). Else one row:
+  // Up to five rows of normal codes: Fp8BytesTile (one core, 7168 x 128 in cache, Gweights/s: 1 row
+  // 17, 2 rows 13, 3 rows 10, 4 rows 9, 5 rows 7.4 against the stack's 5.7; docs/performance.md). Else one row:
   // 1 x 2 tiles, eight sums; two: 2 x 1 tiles. More rows: the stack, where each code is decoded once
   // per tile of rows and read back as fp32, in tiles of kRows x kGroups like the BF16 ones (one core,
   // in cache, GOP/s at 5 / 9 / 128 rows: 54 / 62 / 76 against 44 / 53 / 74 with 4 x 1 tiles).
-  if (x.rows <= 4 && fp8_codes_look_normal(w)) {
+  if (x.rows <= 5 && fp8_codes_look_normal(w)) {
     if (x.rows <= 2)
       gemm_tiled<Fp8BytesTile, 2, 2, const float*>(row, x.rows, w, y, y_stride);
     else
-      gemm_tiled<Fp8BytesTile, 4, 1, const float*>(row, x.rows, w, y, y_stride);
+      gemm_tiled<Fp8BytesTile, 5, 1, const float*>(row, x.rows, w, y, y_stride);
   } else if (x.rows == 1)
     gemm_tiled<Fp8ViaF16Tile, 1, 2, const float*>(row, x.rows, w, y, y_stride);
   else if (x.rows == 2)

@@ -169,8 +169,20 @@ constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 // (zero codes pad k to even), so decoding a group byte by byte gives the BF16 layout above. Every
 // E4M3 value is exact in bf16, so the BF16 GEMM of the decoded weights is exact up to the scales,
 // which the kernel applies per block in fp32. Scales: per group, per block (one block when per
-// channel), 16 floats.
+// channel), 16 floats; then the group's small-code bitmap: bit p % 64 of 64-bit word p / 64 is set
+// where input pair p holds a zero or subnormal code (exponent field 0). Kernels that decode every
+// code as a normal one (the AVX2 build's) take their exact decoder for those pairs alone, without
+// testing each pair's codes (about one code in 10^4 of real weights is such a code).
 constexpr int kFp8Block = 128;
+inline size_t fp8_scale_bytes(int k, int scale_group) {
+  return size_t(scale_group > 0 ? k / scale_group : 1) * kGroupRows * sizeof(float);
+}
+// Whole 64-byte lines, so that the next group's scales stay aligned.
+inline int fp8_small_code_words(int k) { return round_up(ceil_div(ceil_div(k, 2), 64), 8); }
+inline const uint64_t* fp8_small_codes(const PackedGroups& w, int group) {
+  return reinterpret_cast<const uint64_t*>(w.scales + size_t(group) * w.group_scale_bytes +
+                                           fp8_scale_bytes(w.k, w.scale_group));
+}
 
 // ---- GEMM: y[i][j] = sum_k x_i[k] * W[j][k], i < x.rows, j < kGroupRows * w.groups ----------
 // fp32 accumulation; y is overwritten, row stride y_stride floats. The integer formats read

@@ -8,7 +8,7 @@ namespace {
 
 size_t group_bytes(int k) { return size_t(round_up(k, 2)) * kGroupRows; }
 size_t group_scale_bytes(int k, int scale_group) {
-  return size_t(scale_group > 0 ? k / scale_group : 1) * kGroupRows * sizeof(float);
+  return fp8_scale_bytes(k, scale_group) + fp8_small_code_words(k) * sizeof(uint64_t);
 }
 
 void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int scale_group, uint8_t* packed,
@@ -26,6 +26,12 @@ void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int
       if (row >= size_t(rows)) continue;
       for (int c = 0; c < k; ++c) group[(c / 2) * 2 * kGroupRows + 2 * r + c % 2] = codes[row * k + c];
     }
+    uint64_t* small_codes = reinterpret_cast<uint64_t*>(packed_scales + g * group_scale_bytes(k, scale_group) +
+                                                        fp8_scale_bytes(k, scale_group));
+    std::memset(small_codes, 0, fp8_small_code_words(k) * sizeof(uint64_t));
+    for (int p = 0; p < ceil_div(k, 2); ++p)
+      for (int b = 0; b < 2 * kGroupRows; ++b)
+        if ((group[p * 2 * kGroupRows + b] & 0x78) == 0) small_codes[p / 64] |= uint64_t(1) << (p % 64);
   }
 }
 
