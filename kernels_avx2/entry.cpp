@@ -16,7 +16,7 @@ KernelInfo kernel_info() {
           "avx2 (E2M1 -> integers by vpshufb; vpmaddwd on a row and its residual as int16, vpmaddubsw on int8 "
           "rows for one token or int8_activations)",
           "avx2 (vpmaddwd on int16 activations)",
-          "avx2 (up to four rows of normal codes: E4M3 -> bf16 bytes by a nibble lookup; else one or two rows: E4M3 -> fp16 "
+          "avx2 (up to five rows of normal codes: E4M3 -> bf16 bytes by a nibble lookup; else one or two rows: E4M3 -> fp16 "
           "by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)"};
 }
 

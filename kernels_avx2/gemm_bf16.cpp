@@ -153,7 +153,7 @@ struct Fp8ViaF16Tile {
   }
 };
 
-// FP8, one to four activation rows, where the codes are normal ones (fp8_codes_look_normal): the 32
+// FP8, one to five activation rows, where the codes are normal ones (fp8_codes_look_normal): the 32
 // codes of a packed pair (kernels.h: byte 2r + i is row r, input 2p + i) become bf16 in their own
 // bytes, without widening them first. A normal code s eeee mmm is the bf16 s | (e + 120) << 7 |
 // m << 4: its high byte is s << 7 | (60 + (e >> 1)), a lookup of the code's high nibble, and its low
