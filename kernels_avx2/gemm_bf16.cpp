@@ -266,11 +266,11 @@ inline bool fp8_codes_look_normal(const PackedGroups& w) {
 
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   const WidenedRows row = widen_rows(x, w.k);
-  // Up to five rows of normal codes: Fp8BytesTile (one core, 7168 x 128 in cache, Gweights/s: 1 row
-  // 17, 2 rows 13, 3 rows 10, 4 rows 9, 5 rows 7.4 against the stack's 5.7; docs/performance.md). Else one row:
-  // 1 x 2 tiles, eight sums; two: 2 x 1 tiles. More rows: the stack, where each code is decoded once
-  // per tile of rows and read back as fp32, in tiles of kRows x kGroups like the BF16 ones (one core,
-  // in cache, GOP/s at 5 / 9 / 128 rows: 54 / 62 / 76 against 44 / 53 / 74 with 4 x 1 tiles).
+  // Up to five rows of normal codes: Fp8BytesTile (one core, 128 outputs x 7168 inputs in cache,
+  // Gweights/s: 1 row 17, 2 rows 13, 3 rows 10, 4 rows 9, 5 rows 7.4 against the stack's 5.7). Else
+  // one row: 1 x 2 tiles, eight sums; two: 2 x 1 tiles. More rows: the stack, where each code is
+  // decoded once per tile of rows and read back as fp32, in tiles of kRows x kGroups like the BF16
+  // ones (one core, in cache, GOP/s at 9 / 128 rows: 62 / 76 against 53 / 74 with 4 x 1 tiles).
   if (x.rows <= 5 && fp8_codes_look_normal(w)) {
     if (x.rows <= 2)
       gemm_tiled<Fp8BytesTile, 2, 2, const float*>(row, x.rows, w, y, y_stride);
