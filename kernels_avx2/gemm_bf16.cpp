@@ -221,7 +221,7 @@ struct Fp8BytesTile {
   static void run(const float* const* x, const PackedGroups& w, float* y, size_t y_stride) {
     const int pairs = round_up(w.k, 2) / 2;
     const int block_pairs = w.scale_group > 0 ? w.scale_group / 2 : pairs;
-    __m256 acc[M][NV][2];  // as Sums
+    Sums acc;
     for (int i = 0; i < M; ++i)
       for (int g = 0; g < NV; ++g) acc[i][g][0] = acc[i][g][1] = _mm256_setzero_ps();
     for (int p0 = 0, block = 0; p0 < pairs; p0 += block_pairs, ++block) {
@@ -229,8 +229,10 @@ struct Fp8BytesTile {
       for (int i = 0; i < M; ++i)
         for (int g = 0; g < NV; ++g) sums[i][g][0] = sums[i][g][1] = _mm256_setzero_ps();
       const int end = std::min(pairs, p0 + block_pairs);
-      for (int begin = p0; begin < end; begin = std::min(end, (begin / 64 + 1) * 64))
-        add_pairs(x, w, begin, std::min(end, (begin / 64 + 1) * 64), sums);
+      for (int begin = p0, stop; begin < end; begin = stop) {
+        stop = std::min(end, (begin / 64 + 1) * 64);  // the end of begin's bitmap word
+        add_pairs(x, w, begin, stop, sums);
+      }
       for (int g = 0; g < NV; ++g) {
         const float* scales = reinterpret_cast<const float*>(w.scales + g * w.group_scale_bytes) + block * kGroupRows;
         const __m256 rows_0_7 = _mm256_loadu_ps(scales), rows_8_15 = _mm256_loadu_ps(scales + 8);

@@ -26,8 +26,7 @@ void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int
       if (row >= size_t(rows)) continue;
       for (int c = 0; c < k; ++c) group[(c / 2) * 2 * kGroupRows + 2 * r + c % 2] = codes[row * k + c];
     }
-    uint64_t* small_codes = reinterpret_cast<uint64_t*>(packed_scales + g * group_scale_bytes(k, scale_group) +
-                                                        fp8_scale_bytes(k, scale_group));
+    uint64_t* small_codes = reinterpret_cast<uint64_t*>(group_scales + scales_per_row * kGroupRows);
     std::memset(small_codes, 0, fp8_small_code_words(k) * sizeof(uint64_t));
     for (int p = 0; p < ceil_div(k, 2); ++p)
       for (int b = 0; b < 2 * kGroupRows; ++b)
