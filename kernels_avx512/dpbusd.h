@@ -15,7 +15,7 @@ constexpr int kInt4Rows = 6, kInt4Groups = 2;
 // Decode (one or two rows): each accumulator takes two dependent vpdpbusd per line, so a 6x2 tile's
 // one row has two chains (INT4 from cache, one core: 32-45 GB/s); four groups per tile: 62-64 GB/s.
 constexpr int kFewRows = 2, kFewRowsGroups = 4;
-struct DpbusdDot {
+struct DpbusdDot : SumsInPlace<DpbusdDot, __m512i> {
   static constexpr int kQuadsPerSum = kInt8ActivationQuadsPerSum;
   using Weights = __m512i;
   using Act = __m512i;
@@ -28,7 +28,6 @@ struct DpbusdDot {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
   }
-  static __m512i dot2(__m512i acc, Weights w1, Act a1, Weights w2, Act a2) { return dot(dot(acc, w1, a1), w2, a2); }
 };
 
 // Rows and their residuals (exact activations): tokens of two rows, four tokens x two groups.
