@@ -8,7 +8,7 @@ torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu on the same quanti
 and int4.
 
 `--model SHAPE` times a stack of layers instead (run_model_worker): N layers of the shape called in turn
-as a model calls them, next to the single layer called back to back in the same run.
+as a model calls them, next to each weight set's layer called back to back in the same run.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ModelRow:
     step_p10_ms: float
     step_p90_ms: float
     layer_ms: float  # step_ms / layers
-    single_ms: float  # one layer called back to back (median), same run
+    single_ms: float  # one layer called back to back (median; the median over the weight sets), same run
     ratio: float  # layer_ms / single_ms
     sync_ms: float  # per layer, median over steps: time the caller waits inside sync_forward
     layer_gbps: float  # distinct expert weights touched per layer / layer_ms
@@ -503,10 +503,14 @@ def run_model_worker(args: argparse.Namespace) -> dict:
                 # Bandwidth drifts on a shared machine: compare a decode row with a read just before it.
                 row_dram = ext.measure_read_bandwidth(args.threads, 1 << 28, 3) if decode else None
                 inside, waiting, touched = time_steps(layers, shape, tokens, between, args)
-                single = time_calls(
-                    wrappers[0].forward, call_inputs(shape, tokens, args.calls + 2), args.row_seconds,
-                    min(5, args.calls), args.calls, warmup=1,
-                )  # fmt: skip
+                # Each set's layer back to back, the median over the sets: the same work may read
+                # slower from one set's memory than another's (docs/performance.md).
+                inputs, budget = call_inputs(shape, tokens, args.calls + 2), args.row_seconds / sets
+                per_set = [
+                    time_calls(moe.forward, inputs, budget, min(5, args.calls), args.calls, 1)
+                    for moe in wrappers[:sets]
+                ]
+                single = statistics.median(statistics.median(times) for times in per_set)
                 KTMoEWrapper.flush_deferred()  # the last call's, before the next row's token count
             median = statistics.median(inside)
             deciles = statistics.quantiles(inside, n=10) if len(inside) > 1 else [median] * 9
@@ -517,7 +521,7 @@ def run_model_worker(args: argparse.Namespace) -> dict:
                     variant=label, shape=shape, format=fmt, tokens=tokens, layers=args.layers,
                     weight_sets=sets, steps=len(inside), step_ms=median * 1e3, step_p10_ms=deciles[0] * 1e3,
                     step_p90_ms=deciles[-1] * 1e3, layer_ms=layer_s * 1e3,
-                    single_ms=statistics.median(single) * 1e3, ratio=layer_s / statistics.median(single),
+                    single_ms=single * 1e3, ratio=layer_s / single,
                     sync_ms=statistics.median(waiting) / args.layers * 1e3, layer_gbps=layer_gbps,
                     dram_gbps=row_dram, pct_of_dram=100 * layer_gbps / row_dram if row_dram else None,
                     threads=threads, cache_clear_mib=args.cache_clear_mib, gap_ms=args.gap_ms,
@@ -649,9 +653,10 @@ def format_model_table(result: dict) -> str:
         )
     lines.append(
         "\nstep ms: median over steps of the time inside the layers (submit_forward to the end of "
-        "sync_forward, summed; clearing and gaps not counted); layer ms = step ms / layers.\n1-layer ms: one "
-        "layer called back to back in the same run; ratio = layer ms / 1-layer ms.\nsync ms: per layer, the "
-        "time the caller waits inside sync_forward.\nsets: distinct weight sets, cycled over the layers. "
+        "sync_forward, summed; clearing and gaps not counted); layer ms = step ms / layers.\n1-layer ms: "
+        "each set's layer called back to back in the same run, the median over the sets; ratio = layer ms "
+        "/ 1-layer ms.\nsync ms: per layer, the time the caller waits inside sync_forward.\nsets: distinct "
+        "weight sets, cycled over the layers. "
         "GB/s: distinct expert weights touched per layer / layer ms; %DRAM (T <= 8) against DRAM, the read "
         "measured just before the row.\nthreads: the process's threads once the layers are built."
     )
