@@ -8,10 +8,11 @@ KT_NAMESPACE_BEGIN
 namespace avx2 {
 namespace {
 
-// One group (two ymm) per tile: 16 registers do not hold more. 4-bit tiles of int8 rows: 2 rows x 2
-// halves of integer and float accumulators. Of int16 tokens, 8 tokens: their sums spill to the
-// stack, but each decoded line then serves more tokens (one core, 768 x 2048, 32 tokens: INT4 80,
-// 89, 93, 99, 105 and 107 GOP/s with 2, 3, 4, 6, 8 and 12 tokens; MXFP4 71 to 96).
+// One group (two ymm) per tile: 16 registers do not hold more. 4-bit tiles of int8 rows: 2 rows, or a
+// token's row and residual, x 2 halves of int32 sums and int16 partials. Of int16 tokens, 8 tokens:
+// their sums spill to the stack, but each decoded line then serves more tokens (one core, 768 x
+// 2048, 32 tokens: INT4 80, 89, 93, 99, 105 and 107 GOP/s with 2, 3, 4, 6, 8 and 12 tokens; MXFP4 71
+// to 96).
 constexpr int kInt8Tokens = 4, kFourBitRows = 2, kFourBitTokens = 8;
 
 }  // namespace

@@ -414,9 +414,11 @@ void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, siz
 }
 
 // A 4-bit GEMM without vpdpbusd: tokens of a row and its residual as widened int16 rows (MaddwdDot:
-// 4 multiplies and 4 adds per line, token and vector, where vpmaddubsw on the two int8 rows takes 6
-// and 4), tiles of MaxTokens x TokenNV groups; one token (decode), int8 activations or sums that
-// may not fit on the int8 rows (MaddubsDot, faster there), MaxRows x NV.
+// 4 multiplies and 4 adds per line, token and vector, where vpmaddubsw on the two int8 rows takes
+// 8.5 operations for INT4, 10 for MXFP4), tiles of MaxTokens x TokenNV groups. One token (decode),
+// int8 activations or sums that may not fit take MaddubsDot on the int8 rows, faster there: a row
+// and its residual as one token (tiles of MaxRows / 2 tokens), else rows of their own (MaxRows), x
+// NV groups.
 template <class V, class FourBit, int MaxRows, int NV, int MaxTokens, int TokenNV>
 void gemm_four_bit_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   if (x.quantized.parts == 2 && x.rows > 2 && pairs_fit<FourBit>(w)) {
