@@ -78,7 +78,7 @@ class ModelRow:
     step_p10_ms: float
     step_p90_ms: float
     layer_ms: float  # step_ms / layers
-    single_ms: float  # one layer called back to back (median; the median over the weight sets), same run
+    single_ms: float  # each weight set's layer called back to back: the median over the sets, same run
     ratio: float  # layer_ms / single_ms
     sync_ms: float  # per layer, median over steps: time the caller waits inside sync_forward
     layer_gbps: float  # distinct expert weights touched per layer / layer_ms
