@@ -34,9 +34,10 @@ struct SumsInPlace {
 };
 
 // INT4: the nibbles are q + 8 already; one float scale per G inputs per row. A 4-bit format gives:
-// kOffset (added to each value to make it unsigned), low_values(bytes, low_nibbles) (the u8 values
-// + kOffset of the bytes' low nibbles), kValueScale (what one unit of those values is worth),
-// inputs_per_scale(w), scale(group_scales, s, first_row) (the kLanes rows' scales of group s).
+// kOffset (added to each value to make it unsigned), kMaxValue (the largest such u8 value),
+// low_values(bytes, low_nibbles) (the u8 values + kOffset of the bytes' low nibbles), kValueScale
+// (what one unit of those values is worth), inputs_per_scale(w), scale(group_scales, s, first_row)
+// (the kLanes rows' scales of group s).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset, kMaxValue = 15;
