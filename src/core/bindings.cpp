@@ -18,6 +18,8 @@
 namespace nb = nanobind;
 using kt::bf16_t;
 
+void bind_stream_calls(nb::module_& m);  // bindings_stream.cpp
+
 // bf16 tensors cross as int16 views (DLPack has bf16, but one integer type keeps this simple).
 template <typename T, typename... Shape>
 using CpuArray = nb::ndarray<T, nb::c_contig, nb::device::cpu, Shape...>;
@@ -301,4 +303,6 @@ NB_MODULE(KT_MODULE_NAME, m) {
            "Wait for every subpool, then sum their partial outputs into out.")
       .def("release_scratch", &kt::MoESubpools::release_scratch)
       .def_prop_ro("pending", &kt::MoESubpools::pending);
+
+  bind_stream_calls(m);
 }

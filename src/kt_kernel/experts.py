@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, formats
+from . import checkpoint, formats, stream_path
 from ._native import ext
 from .formats import require_shape
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
-from .weights import FLOAT_DTYPES, check_slot_map, prepare, require_cpu_tensor, subpool_slice
+from .weights import FLOAT_DTYPES, check_slot_map, prepare, require_cpu_tensor, require_tensor, subpool_slice
 
 __all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
 
@@ -72,8 +72,8 @@ class KTMoEWrapper:
 
     ``forward`` returns ``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
     with ``e = topk_ids[t,k]``; id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
-    Keyword names follow upstream kt-kernel. ``cuda_stream`` is accepted and unused (CPU only);
-    ``cpu_save`` is accepted and stored. ``method`` keeps the name given ('AMXINT4');
+    Keyword names follow upstream kt-kernel; ``cpu_save`` is accepted and stored. With CUDA inputs or
+    a ``cuda_stream``, a call is ordered on that stream (kt_kernel.stream_path, docs/serving.md). ``method`` keeps the name given ('AMXINT4');
     ``weight_format`` is the format it means ('INT4').
 
     GPU experts: ``gpu_experts_mask`` (bool [num_experts]) or upstream's ``num_gpu_experts=n``
@@ -189,6 +189,10 @@ class KTMoEWrapper:
         self._deferred_layer = self._layer.twin() if deferred else None
         self._deferred_out: torch.Tensor | None = None  # the deferred call in flight, if any
         self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
+        # The stream path, made at the first call with a CUDA stream, and its call whose deferred
+        # experts the next call adds (guarded by _deferred_lock).
+        self._stream: stream_path.StreamForward | None = None
+        self._stream_deferred: stream_path.StreamCall | None = None
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
         self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
@@ -198,7 +202,8 @@ class KTMoEWrapper:
         # _forward_lock makes forward() (submit + sync) one turn.
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
-        self._in_flight: torch.Tensor | None = None  # the output of the forward in flight
+        # The output of the forward in flight, or its StreamCall on a CUDA stream.
+        self._in_flight: torch.Tensor | stream_path.StreamCall | None = None
         # A decode call allocates the next call's output while its engines run: with the caches cold
         # from the call before, torch.empty_like costs tens of microseconds before the call starts.
         self._spare_out: torch.Tensor | None = None
@@ -415,7 +420,8 @@ class KTMoEWrapper:
         topk_weights: torch.Tensor,
         cuda_stream: object | None = None,
     ) -> torch.Tensor:
-        """Compute the routed experts for hidden_states [T, H] bf16; returns a new [T, H] bf16 tensor.
+        """Compute the routed experts for hidden_states [T, H] bf16; returns a [T, H] bf16 tensor
+        (new on the direct path; on a stream, see sync_forward).
 
         Calls from several threads on one wrapper run one after another."""
         with self._forward_lock:
@@ -431,7 +437,12 @@ class KTMoEWrapper:
     ) -> None:
         """Start a forward and return at once; ``sync_forward`` waits for it and returns the output.
 
-        The inputs are read before this returns: the caller may overwrite them at once."""
+        Direct path (CPU tensors, no ``cuda_stream``): the inputs are read before this returns, so the
+        caller may overwrite them at once. Stream path (CUDA tensors, or any with ``cuda_stream``: an
+        int handle or a ``torch.cuda.Stream``; CUDA tensors without one use their device's current
+        stream): everything is queued on that stream, inputs read in its order, and this returns
+        without waiting for the stream (docs/serving.md)."""
+        stream = stream_path.stream_handle(cuda_stream, hidden_states)
         with self._lock:
             if not self._loaded:
                 raise RuntimeError(
@@ -439,6 +450,10 @@ class KTMoEWrapper:
                     if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
+            if stream is not None:
+                self._require_idle("submit a forward", deferred_too=False, stream_too=False)
+                self._submit_on_stream(stream, hidden_states, topk_ids, topk_weights)
+                return
             self._require_idle("submit a forward", deferred_too=False)
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
             tokens = x.shape[0]
@@ -477,14 +492,63 @@ class KTMoEWrapper:
                     KTMoEWrapper._deferred_pending = self
             self._in_flight = out  # the engines write it until sync
 
+    def _submit_on_stream(
+        self, stream: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> None:
+        device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else None
+        with stream_path.on_stream(stream, device or torch.device("cpu")):  # conversions queue on it
+            x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights, on_device=True)
+            deferred_ids = None
+            if self._deferred_layer is not None and x.shape[0] > 0:
+                ids, deferred_ids = self.select_deferred_experts(
+                    ids.to(torch.int64), weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
+                )
+        if x.shape[0] == 0:
+            self._in_flight = stream_path.StreamCall(stream, 0, 0, x.device, None, None, False)
+            return
+        if self._stream is None:
+            self._stream = stream_path.StreamForward(
+                self._layer, self._deferred_layer, self._gpu_mask_address, self.hidden_size,
+                self.num_experts_per_tok, self.layer_idx % 2,
+            )  # fmt: skip
+        pending = self._take_pending_deferred(x.shape[0], on_stream=True)
+        adds = None if pending is None else pending._stream_deferred
+        call = self._stream.submit(stream, x, ids, weights, deferred_ids, adds, KTMoEWrapper._capture_batch_sizes)
+        with KTMoEWrapper._deferred_lock:  # taken once this call is on its way, as on the direct path
+            if pending is not None:
+                pending._stream_deferred = None
+                if KTMoEWrapper._deferred_pending is pending:
+                    KTMoEWrapper._deferred_pending = None
+            if deferred_ids is not None:
+                self._stream_deferred = call
+                KTMoEWrapper._deferred_pending = self
+        self._in_flight = call
+
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None
     ) -> torch.Tensor:
-        """Wait for the forward started by ``submit_forward`` and return its [T, H] bf16 output."""
+        """Wait for the forward started by ``submit_forward`` and return its [T, H] bf16 output.
+
+        Direct path: waits, and returns a new tensor. Stream path: queues the wait and the copy of
+        the output on the stream and returns at once; the tensor returned (on the inputs' device) is
+        a buffer kept per (stream, batch size, layer parity): it holds this output once the stream
+        has reached this point and until the sync of the same batch size two layers later. An error
+        of the CPU task (a bad expert id, say) is raised by this or a later sync_forward of this
+        layer, and that call's output is NaN."""
         with self._lock:
             out = self._in_flight
             if out is None:
                 raise RuntimeError("sync_forward called without a submit_forward")
+            if isinstance(out, stream_path.StreamCall):
+                given = None if cuda_stream is None else stream_path.stream_handle(cuda_stream, None)
+                if given is not None and given != out.stream:
+                    raise ValueError(
+                        f"sync_forward's cuda_stream ({given}) is not the one submit_forward used ({out.stream})"
+                    )
+                self._in_flight = None
+                if out.tokens == 0:
+                    return torch.empty((0, self.hidden_size), dtype=torch.bfloat16, device=out.device)
+                return self._stream.sync(out)
             try:
                 if out.shape[0] > 0:
                     self._layer.sync()  # with subpools: also sums their partial outputs into out
@@ -510,21 +574,41 @@ class KTMoEWrapper:
         deferred. Entries not in a split are -1 there (as are -1 entries in both)."""
         protected_k = max(0, min(int(protected_k), expert_ids.shape[-1]))
         valid = expert_ids >= 0
-        protected = torch.zeros(self.num_experts + 1, dtype=torch.bool)  # the last slot soaks up -1 ids
+        # The last slot soaks up -1 ids, and ids out of range (the engine reports those): on a CUDA
+        # device an index out of range is a device-side assert, not an error.
+        E = self.num_experts
+        protected = torch.zeros(E + 1, dtype=torch.bool, device=expert_ids.device)
         if protected_k:
             top = torch.topk(expert_scores.masked_fill(~valid, float("-inf")), protected_k, dim=-1).indices
             chosen = torch.gather(expert_ids, -1, top)
-            protected[torch.where(chosen >= 0, chosen, self.num_experts).reshape(-1)] = True
-        now = protected[torch.where(valid, expert_ids, self.num_experts)] & valid
+            protected[torch.where((chosen >= 0) & (chosen < E), chosen, E).reshape(-1)] = True
+        now = protected[torch.where(valid & (expert_ids < E), expert_ids, E)] & valid
         none = torch.full_like(expert_ids, -1)
         return torch.where(now, expert_ids, none), torch.where(valid & ~now, expert_ids, none)
 
-    def _take_pending_deferred(self, tokens: int) -> torch.Tensor | KTMoEWrapper | None:
-        """What this call adds to its output: the deferred experts of the process's last call."""
+    def _take_pending_deferred(
+        self, tokens: int, on_stream: bool = False
+    ) -> torch.Tensor | KTMoEWrapper | stream_path.StreamCall | None:
+        """What this call adds to its output: the deferred experts of the process's last call (on a
+        stream: the wrapper whose _stream_deferred call it adds, left pending for the caller to take)."""
         with KTMoEWrapper._deferred_lock:
             pending = KTMoEWrapper._deferred_pending
             if pending is None:
                 return None
+            if on_stream != (pending._stream_deferred is not None):
+                raise RuntimeError(
+                    f"layer {pending.layer_idx}'s deferred experts are pending on the "
+                    f"{'stream' if pending._stream_deferred is not None else 'direct'} path and this call takes "
+                    "the other: calls with deferred experts must all be on a CUDA stream or none"
+                )
+            if on_stream:
+                if pending.layer_idx > self.layer_idx or pending._stream_deferred.tokens != tokens:
+                    raise RuntimeError(
+                        f"layer {pending.layer_idx}'s deferred experts ({pending._stream_deferred.tokens} tokens) "
+                        f"are pending and layer {self.layer_idx} starts a new pass or has {tokens} tokens: on a "
+                        "stream, give the last layer max_deferred_experts_per_token=0"
+                    )
+                return pending
             if pending.layer_idx > self.layer_idx:
                 raise RuntimeError(
                     f"layer {pending.layer_idx}'s deferred experts are still pending and layer "
@@ -650,9 +734,14 @@ class KTMoEWrapper:
         for every wrapper still alive, when the interpreter exits."""
         with self._lock:
             try:
-                if self._in_flight is not None and self._in_flight.shape[0] > 0:
+                if self._stream is not None:  # queued host functions of this layer do nothing from now on
+                    self._stream.close(self._in_flight if isinstance(self._in_flight, stream_path.StreamCall) else None)
+                    if self._stream_deferred is not None:
+                        stream_path.BUFFERS.retire(self._stream_deferred.slot)
+                elif self._in_flight is not None and self._in_flight.shape[0] > 0:
                     self._layer.sync()
                 with KTMoEWrapper._deferred_lock:
+                    self._stream_deferred = None
                     if KTMoEWrapper._deferred_pending is self:  # nobody will add them now
                         KTMoEWrapper._deferred_pending = None
                     if self._deferred_out is not None:
@@ -670,11 +759,18 @@ class KTMoEWrapper:
             self.close()
 
     def _check_inputs(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, on_device: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs as the engine reads them: bf16 x, int64 ids, float32 weights, contiguous.
+        on_device (the stream path): on any one device, and int32 ids are kept (widened on the host)."""
         # Each torch attribute is read once: with the caches cold from the call before, a read costs
         # about a microsecond before a decode call starts.
-        x = require_cpu_tensor("hidden_states", hidden_states)
+        if on_device:
+            x = require_tensor("hidden_states", hidden_states)
+            topk_ids = require_tensor("topk_ids", topk_ids, x.device)
+            topk_weights = require_tensor("topk_weights", topk_weights, x.device)
+        else:
+            x = require_cpu_tensor("hidden_states", hidden_states)
         x_dtype, x_shape = x.dtype, x.shape
         if x_dtype not in FLOAT_DTYPES:
             raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x_dtype}")
@@ -689,11 +785,11 @@ class KTMoEWrapper:
             tokens = x.shape[0]
         if x_dtype != torch.bfloat16:
             x = x.to(torch.bfloat16)  # the engine reads bf16 tokens: converted once, here
-        ids = require_cpu_tensor("topk_ids", topk_ids)
+        ids = topk_ids if on_device else require_cpu_tensor("topk_ids", topk_ids)
         ids_dtype, ids_shape = ids.dtype, ids.shape
         if ids_dtype not in (torch.int64, torch.int32):
             raise TypeError(f"topk_ids must be int64 or int32, got {ids_dtype}")
-        weights = require_cpu_tensor("topk_weights", topk_weights)
+        weights = topk_weights if on_device else require_cpu_tensor("topk_weights", topk_weights)
         weights_dtype, weights_shape = weights.dtype, weights.shape
         if not weights_dtype.is_floating_point:
             raise TypeError(f"topk_weights must be a floating-point tensor, got {weights_dtype}")
@@ -710,19 +806,25 @@ class KTMoEWrapper:
         require_shape("topk_weights", weights_shape, expected, "[tokens, num_experts_per_tok]")
         # Expert ids are range-checked by the engine while it buckets them (ValueError).
         # (.to() costs about 1 us even when the dtype already matches: a tiny call is about 20 us)
-        if ids_dtype != torch.int64:
+        if ids_dtype != torch.int64 and not (on_device and ids_dtype == torch.int32):
             ids = ids.to(torch.int64)
         if weights_dtype != torch.float32:
             weights = weights.to(torch.float32)
         return x.contiguous(), ids.contiguous(), weights.contiguous()
 
-    def _require_idle(self, action: str, deferred_too: bool = True) -> None:
-        """Refuse `action` on a closed wrapper, with a forward in flight, or (deferred_too) while
-        this layer's deferred experts still run on its weights."""
+    def _require_idle(self, action: str, deferred_too: bool = True, stream_too: bool = True) -> None:
+        """Refuse `action` on a closed wrapper, with a forward in flight, (deferred_too) while this
+        layer's deferred experts still run on its weights, or (stream_too) while calls of it queued
+        on a CUDA stream have not run."""
         if self._layer is None:
             raise RuntimeError(f"cannot {action}: this wrapper is closed")
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
+        if stream_too and self._stream is not None and (self._stream.layer.outstanding or self._stream_deferred):
+            raise RuntimeError(
+                f"cannot {action} while calls of this layer queued on a CUDA stream have not run: synchronize "
+                "the stream first"
+            )
         if deferred_too and self._deferred_out is not None:
             raise RuntimeError(
                 f"cannot {action} while this layer's deferred experts are in flight: sync the next layer "
@@ -741,12 +843,20 @@ class KTMoEWrapper:
 
     @classmethod
     def clear_buffer_cache(cls) -> None:
-        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand).
-        A wrapper busy on another thread keeps its buffers."""
+        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand), and
+        the stream path's host and device buffers when no call on a stream is queued (CUDA graphs
+        captured before refer to them: capture again). A wrapper busy on another thread keeps its
+        buffers."""
+        busy_streams = False
         for wrapper in list(cls._instances):
             if not wrapper._lock.acquire(blocking=False):
+                busy_streams |= wrapper._stream is not None
                 continue
             try:
+                stream = wrapper._stream
+                busy_streams |= stream is not None and (
+                    wrapper._in_flight is not None or wrapper._stream_deferred is not None or stream.layer.outstanding > 0
+                )
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()
                     wrapper._spare_out, wrapper._spare_tokens = None, -1
@@ -755,6 +865,8 @@ class KTMoEWrapper:
                             wrapper._deferred_layer.release_scratch()
             finally:
                 wrapper._lock.release()
+        if not busy_streams:
+            stream_path.BUFFERS.clear()
 
     @classmethod
     def _close_all(cls) -> None:
@@ -765,6 +877,7 @@ class KTMoEWrapper:
     def _after_fork_in_child(cls) -> None:
         # Another thread of the parent may have held a lock at the fork; it does not exist here.
         cls._deferred_lock = threading.Lock()
+        stream_path.BUFFERS.after_fork_in_child()
         for wrapper in list(cls._instances):
             wrapper._lock = threading.Lock()
             wrapper._forward_lock = threading.Lock()

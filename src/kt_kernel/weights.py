@@ -14,17 +14,25 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 Canonical = dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
-def require_cpu_tensor(name: str, value: object) -> torch.Tensor:
-    """A dense CPU tensor whose memory holds its values (a negative view is resolved)."""
+def require_tensor(name: str, value: object, device: torch.device | None = None) -> torch.Tensor:
+    """A dense tensor (on ``device`` if given) whose memory holds its values (a negative view is
+    resolved)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}")
-    if not value.is_cpu:
-        raise ValueError(f"{name} must be on the CPU, got device {value.device}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on {device} (where hidden_states is), got device {value.device}")
     if value.is_neg():  # torch._neg_view: the engine reads memory, which holds the values unnegated
         value = value.resolve_neg()
     return value
+
+
+def require_cpu_tensor(name: str, value: object) -> torch.Tensor:
+    """A dense CPU tensor whose memory holds its values (a negative view is resolved)."""
+    if isinstance(value, torch.Tensor) and not value.is_cpu:
+        raise ValueError(f"{name} must be on the CPU, got device {value.device}")
+    return require_tensor(name, value)
 
 
 def prepare(

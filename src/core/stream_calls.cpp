@@ -1,0 +1,261 @@
+#include "stream_calls.h"
+
+#include <pthread.h>
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_runtime.h"
+
+KT_NAMESPACE_BEGIN
+
+namespace {
+
+// Every StreamLayer of the process, for the fork handler. Never freed, as the layers themselves.
+std::mutex* registry_mutex = new std::mutex;
+std::vector<StreamLayer*>* registry = new std::vector<StreamLayer*>;
+
+CudaRuntime::Stream as_stream(uintptr_t handle) { return reinterpret_cast<CudaRuntime::Stream>(handle); }
+
+float bf16_to_float(bf16_t value) {
+  const uint32_t bits = uint32_t(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+
+// Round to nearest even, NaN to the quiet NaN 0x7FC0: what torch's .to(torch.bfloat16) does.
+bf16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return bf16_t(bits >> 16);
+}
+
+}  // namespace
+
+StreamLayer::StreamLayer(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden, int top_k)
+    : layer_(layer), deferred_(deferred), gpu_mask_(gpu_mask), hidden_(hidden), top_k_(top_k) {}
+
+StreamLayer* StreamLayer::create(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden,
+                                 int top_k) {
+  static const int fork_handler = pthread_atfork(nullptr, nullptr, &StreamLayer::after_fork_in_child);
+  (void)fork_handler;
+  StreamLayer* created = new StreamLayer(layer, deferred, gpu_mask, hidden, top_k);
+  std::lock_guard<std::mutex> lock(*registry_mutex);
+  registry->push_back(created);
+  return created;
+}
+
+void StreamLayer::after_fork_in_child() {
+  // Only the forking thread exists here: a lock another thread held is never released.
+  registry_mutex = new std::mutex;
+  for (StreamLayer* layer : *registry) layer->mutex_ = new std::mutex;
+}
+
+StreamCall* StreamLayer::acquire_locked() {
+  if (!free_.empty()) {
+    StreamCall* call = free_.back();
+    free_.pop_back();
+    return call;
+  }
+  calls_.emplace_back();
+  return &calls_.back();
+}
+
+void StreamLayer::release_locked(StreamCall* call) {
+  if (!call->captured) free_.push_back(call);
+}
+
+StreamCall* StreamLayer::submit(uintptr_t stream, int tokens, const StreamInputs& inputs, const StreamSlot& slot,
+                                StreamCall* adds) {
+  if (tokens < 1) throw std::invalid_argument("a call on a stream needs at least one token");
+  const CudaRuntime& cuda = CudaRuntime::get();
+  const bool captured = cuda.capturing(as_stream(stream));
+  StreamCall* call;
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    if (closed_) throw std::runtime_error("this layer is closed");
+    call = acquire_locked();
+  }
+  call->owner = this;
+  call->tokens = tokens;
+  call->slot = slot;
+  call->ids_int32 = inputs.ids_int32;
+  call->has_deferred = inputs.deferred_ids != nullptr;
+  call->captured = captured;
+  call->adds = adds;
+  const size_t routes = size_t(tokens) * top_k_;
+  try {
+    cuda.copy_async(slot.x, inputs.x, size_t(tokens) * hidden_ * sizeof(bf16_t), as_stream(stream));
+    cuda.copy_async(slot.ids, inputs.ids, routes * (inputs.ids_int32 ? 4 : 8), as_stream(stream));
+    cuda.copy_async(slot.weights, inputs.weights, routes * sizeof(float), as_stream(stream));
+    if (call->has_deferred)
+      cuda.copy_async(slot.deferred_ids, inputs.deferred_ids, routes * sizeof(int64_t), as_stream(stream));
+    cuda.launch_host_func(as_stream(stream), &StreamLayer::on_submit, call);
+  } catch (...) {
+    // Copies already queued only write the slot, which the caller gives back.
+    std::lock_guard<std::mutex> lock(*mutex_);
+    call->captured = false;
+    release_locked(call);
+    throw;
+  }
+  if (!captured) {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    ++queued_;
+  }
+  return call;
+}
+
+void StreamLayer::sync(StreamCall* call, uintptr_t stream, void* device_out) {
+  if (!call || call->owner != this) throw std::invalid_argument("sync of a call this layer did not submit");
+  const CudaRuntime& cuda = CudaRuntime::get();
+  cuda.launch_host_func(as_stream(stream), &StreamLayer::on_sync, call);
+  cuda.copy_async(device_out, call->slot.out, size_t(call->tokens) * hidden_ * sizeof(bf16_t), as_stream(stream));
+}
+
+void StreamLayer::on_submit(void* data) {
+  StreamCall& call = *static_cast<StreamCall*>(data);
+  call.owner->start(call);
+}
+
+void StreamLayer::on_sync(void* data) {
+  StreamCall& call = *static_cast<StreamCall*>(data);
+  call.owner->finish(call);
+}
+
+void StreamLayer::start(StreamCall& call) {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  call.deferred_done = false;
+  if (closed_) return;
+  try {
+    const int64_t* ids = static_cast<const int64_t*>(call.slot.ids);
+    if (call.ids_int32) {
+      const size_t routes = size_t(call.tokens) * top_k_;
+      call.wide_ids.resize(routes);
+      const int32_t* narrow = static_cast<const int32_t*>(call.slot.ids);
+      for (size_t i = 0; i < routes; ++i) call.wide_ids[i] = narrow[i];
+      ids = call.wide_ids.data();
+    }
+    const bf16_t* x = static_cast<const bf16_t*>(call.slot.x);
+    const float* weights = static_cast<const float*>(call.slot.weights);
+    if (gpu_mask_) layer_->set_gpu_experts(gpu_mask_);
+    layer_->submit(x, call.tokens, ids, weights, call.slot.out);
+    running_ = &call;
+    if (call.has_deferred) {  // queued behind the call above on the same threads, as on the CPU path
+      finish_deferred_locked();  // a call of this layer before, not yet added (a one-layer stack)
+      deferred_->submit(x, call.tokens, static_cast<const int64_t*>(call.slot.deferred_ids), weights,
+                        call.slot.deferred_out);
+      deferred_running_ = &call;
+    }
+  } catch (...) {
+    keep_error_locked(std::current_exception());
+  }
+}
+
+void StreamLayer::finish(StreamCall& call) {
+  bool ok = false, closed;
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    closed = closed_;
+    if (!closed_ && running_ == &call) {
+      running_ = nullptr;
+      try {
+        layer_->sync();
+        ok = true;
+      } catch (...) {
+        keep_error_locked(std::current_exception());
+      }
+    }
+  }
+  // Outside this layer's lock: the layer before takes its own (one lock at a time, no order to keep).
+  if (call.adds && !call.adds->owner->collect_deferred(*call.adds, ok ? call.slot.out : nullptr) && ok) {
+    ok = false;
+    std::lock_guard<std::mutex> lock(*mutex_);
+    keep_error_locked(std::make_exception_ptr(
+        std::runtime_error("the deferred experts this call adds (of the layer before) did not run; see that "
+                           "layer's error")));
+  }
+  if (!ok && !closed) {  // never a silent wrong result on the GPU: NaN, and the error at the next sync
+    const size_t values = size_t(call.tokens) * hidden_;
+    for (size_t i = 0; i < values; ++i) call.slot.out[i] = 0x7FC0;
+  }
+  std::lock_guard<std::mutex> lock(*mutex_);
+  if (!call.captured) ++completed_;
+  if (!call.has_deferred) release_locked(&call);  // else its consumer releases it (collect_deferred)
+}
+
+void StreamLayer::finish_deferred_locked() {
+  StreamCall* call = deferred_running_;
+  if (!call) return;
+  deferred_running_ = nullptr;
+  try {
+    deferred_->sync();
+    call->deferred_done = true;
+  } catch (...) {
+    keep_error_locked(std::current_exception());
+  }
+}
+
+bool StreamLayer::collect_deferred(StreamCall& call, bf16_t* out) {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  if (!closed_ && deferred_running_ == &call) finish_deferred_locked();
+  const bool ok = call.deferred_done;
+  call.deferred_done = false;
+  if (ok && out) {  // (out + deferred) in fp32, rounded once, as the CPU path's sync_forward
+    const bf16_t* add = call.slot.deferred_out;
+    const size_t values = size_t(call.tokens) * hidden_;
+    for (size_t i = 0; i < values; ++i) out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(add[i]));
+  }
+  release_locked(&call);
+  return ok;
+}
+
+void StreamLayer::keep_error_locked(std::exception_ptr error) {
+  if (!error_) error_ = error;
+}
+
+void StreamLayer::rethrow_error() {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(*mutex_);
+    error.swap(error_);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+uint64_t StreamLayer::outstanding() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return queued_ - completed_;
+}
+
+uint64_t StreamLayer::queued() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return queued_;
+}
+
+uint64_t StreamLayer::completed() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  return completed_;
+}
+
+void StreamLayer::close() {
+  std::lock_guard<std::mutex> lock(*mutex_);
+  if (closed_) return;
+  // The engines go with the wrapper: tasks they run finish first (a task lost at a fork throws).
+  for (auto [engine, running] : {std::pair{layer_, &running_}, std::pair{deferred_, &deferred_running_}}) {
+    if (*running) {
+      *running = nullptr;
+      try {
+        engine->sync();
+      } catch (...) {
+      }
+    }
+  }
+  closed_ = true;
+  layer_ = deferred_ = nullptr;
+}
+
+KT_NAMESPACE_END

@@ -1,0 +1,118 @@
+// Forwards ordered on a caller's CUDA stream (SGLang's path): the inputs are copied into host
+// buffers on the stream, a host function on the stream starts the CPU task, and at sync a host
+// function waits for it before the output is copied back on the stream. Nothing here calls the
+// CUDA runtime from a host function (CUDA forbids it), and nothing here needs Python's GIL.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "common.h"
+#include "engine.h"
+
+KT_NAMESPACE_BEGIN
+
+// The host buffers of one call, owned by the caller (pinned where the CUDA runtime is real): bf16
+// [tokens, hidden] for x, out and deferred_out; ids (int64, or int32 when the caller's are) and
+// float32 weights [tokens, top_k]; int64 deferred_ids [tokens, top_k] only with deferred experts.
+struct StreamSlot {
+  void* x = nullptr;
+  void* ids = nullptr;
+  void* weights = nullptr;
+  void* deferred_ids = nullptr;
+  bf16_t* out = nullptr;
+  bf16_t* deferred_out = nullptr;
+};
+
+// The caller's inputs of one call: addresses of contiguous tensors on the stream's device (or on
+// the host), with the slot's dtypes.
+struct StreamInputs {
+  const void* x = nullptr;
+  const void* ids = nullptr;
+  const void* weights = nullptr;
+  const void* deferred_ids = nullptr;
+  bool ids_int32 = false;
+};
+
+class StreamLayer;
+
+// One call on a stream: what its two host functions need. Records are reused once both have run,
+// except those captured into a CUDA graph, which every replay runs again.
+struct StreamCall {
+  StreamLayer* owner = nullptr;
+  int tokens = 0;
+  StreamSlot slot;
+  bool ids_int32 = false;
+  bool has_deferred = false;
+  bool captured = false;
+  StreamCall* adds = nullptr;     // the call (of the layer before) whose deferred output this call adds
+  bool deferred_done = false;     // its deferred task finished (collected early when a call of the same layer starts)
+  std::vector<int64_t> wide_ids;  // int32 ids widened for the engine
+};
+
+// The stream path of one layer (a KTMoEWrapper): its engines and the calls queued on streams.
+class StreamLayer {
+ public:
+  // A host function may run after its wrapper is closed, at any later time (a held stream, a CUDA
+  // graph replayed): a StreamLayer is never destroyed, and after close() its host functions only
+  // do their bookkeeping. gpu_mask: num_experts bytes read at each call's start (or null).
+  static StreamLayer* create(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden,
+                             int top_k);
+
+  // Queues on `stream` the copies of the inputs into `slot` and the host function that starts the CPU
+  // task (and the deferred experts' task); `adds`: a call of the layer before whose deferred output
+  // this call adds at sync (or null). Returns the call, for sync().
+  StreamCall* submit(uintptr_t stream, int tokens, const StreamInputs& inputs, const StreamSlot& slot,
+                     StreamCall* adds);
+  // Queues on `stream` the host function that waits for `call` (and adds its `adds`), then the copy
+  // of its output to `device_out`. Where the CPU task failed, the output is NaN and the error is
+  // kept for rethrow_error().
+  void sync(StreamCall* call, uintptr_t stream, void* device_out);
+  // Rethrows (once) the first error a host function met, if any.
+  void rethrow_error();
+  // Calls queued outside a CUDA graph whose sync host function has not run yet.
+  uint64_t outstanding();
+  // Calls queued outside a CUDA graph so far, and of them those whose sync host function has run
+  // (they finish in order): the call that made queued() n is done once completed() >= n.
+  uint64_t queued();
+  uint64_t completed();
+  // Waits for a CPU task in flight (never for the stream), then makes later host functions do nothing.
+  void close();
+
+ private:
+  StreamLayer(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden, int top_k);
+  static void on_submit(void* call);
+  static void on_sync(void* call);
+  void start(StreamCall& call);
+  // Waits for the deferred task in flight (its output stays in its slot for collect_deferred).
+  void finish_deferred_locked();
+  void finish(StreamCall& call);
+  // Waits for `call`'s deferred experts and adds their output to out (null: only wait); false when
+  // they did not run. Then the call is free for reuse.
+  bool collect_deferred(StreamCall& call, bf16_t* out);
+  void keep_error_locked(std::exception_ptr error);
+  StreamCall* acquire_locked();
+  void release_locked(StreamCall* call);
+  static void after_fork_in_child();
+
+  // Replaced (the old one leaked) in a fork() child, where a thread that no longer exists may hold it.
+  std::mutex* mutex_ = new std::mutex;
+  MoESubpools* layer_;
+  MoESubpools* deferred_;
+  const uint8_t* gpu_mask_;
+  const int hidden_, top_k_;
+  bool closed_ = false;
+  StreamCall* running_ = nullptr;           // the call whose CPU task is in flight
+  StreamCall* deferred_running_ = nullptr;  // the call whose deferred task is in flight
+  std::deque<StreamCall> calls_;            // every record (stable addresses)
+  std::vector<StreamCall*> free_;
+  uint64_t queued_ = 0, completed_ = 0;
+  std::exception_ptr error_;
+};
+
+KT_NAMESPACE_END
