@@ -720,6 +720,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="qwen3-30b, T=1 and 64, 10 calls: under a minute"
     )
     parser.add_argument("--json", metavar="FILE", help="write every figure and the machine info as JSON")
+    parser.add_argument(
+        "--gpu", action="store_true",
+        help="time calls with CUDA tensors on a CUDA stream next to CPU tensors (needs torch with CUDA)",
+    )  # fmt: skip
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     model = parser.add_argument_group(
         "model mode", "a stack of layers of one shape, called in turn as a model does (docs/performance.md)"
@@ -798,6 +802,12 @@ def main(args: argparse.Namespace) -> int:
         args.shape, args.tokens, args.calls = ["qwen3-30b"], [1, 64], 10
     args.shape = args.shape or list(DEFAULT_SHAPES)
     args.tokens = args.tokens or list(MODEL_TOKENS if args.model else TOKENS)
+    if args.gpu:
+        from . import bench_gpu
+
+        args.format = args.format if len(args.format) < len(formats.FORMATS) else ["bf16", "mxfp4"]
+        args.tokens = args.tokens if args.tokens != list(TOKENS) else [1, 8, 512]
+        return bench_gpu.main(args)
     if args.worker_json:
         result = run_model_worker(args) if args.model else run_worker(args)
         Path(args.worker_json).write_text(json.dumps(result))

@@ -9,9 +9,11 @@ here, at the first call with a stream (``ext.cuda_runtime_path``): the extension
 without CUDA.
 
 Buffers are shared by every layer, as upstream's: host buffers are taken per call from a pool per
-(stream, batch size) and given back at sync, which is safe because everything that uses them is
-ordered on that one stream; device outputs are kept per (stream, batch size, layer parity), so the
-output a sync returns stays valid until the sync of the same batch size two layers later.
+batch size and given back at sync, which is safe because everything that uses them is ordered on
+the stream; device outputs are kept per (device, batch size, layer parity), so the output a sync
+returns stays valid until the sync of the same batch size two layers later. Calls on several
+streams share them too (a CUDA graph is captured on a stream of its own): the caller orders such
+streams (wait_stream), as SGLang's one forward stream does.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ class StreamBuffers:
         self._outputs: dict[tuple, torch.Tensor] = {}
         self._retired: list[Slot] = []  # slots queued copies may still write (a layer closed mid-call)
 
-    def acquire(self, stream: int, tokens: int, hidden: int, top_k: int, deferred: bool) -> Slot:
+    def acquire(self, tokens: int, hidden: int, top_k: int, deferred: bool) -> Slot:
         with self.lock:
-            free = self._free.get((stream, tokens, hidden, top_k))
+            free = self._free.get((tokens, hidden, top_k))
             slot = free.pop() if free else None
         if slot is None:
             slot = Slot(
@@ -105,33 +107,32 @@ class StreamBuffers:
             slot.deferred_out = _host((tokens, hidden), torch.bfloat16)
         return slot
 
-    def release(self, stream: int, slot: Slot) -> None:
+    def release(self, slot: Slot) -> None:
         tokens, hidden = slot.x.shape
         with self.lock:
-            self._free.setdefault((stream, tokens, hidden, slot.ids.shape[1]), []).append(slot)
+            self._free.setdefault((tokens, hidden, slot.ids.shape[1]), []).append(slot)
 
     def retire(self, slot: Slot) -> None:
         with self.lock:
             self._retired.append(slot)
 
-    def output(self, stream: int, tokens: int, hidden: int, device: torch.device, parity: int) -> torch.Tensor:
-        key = (stream, tokens, hidden, device, parity)
+    def output(self, tokens: int, hidden: int, device: torch.device, parity: int) -> torch.Tensor:
+        key = (tokens, hidden, device, parity)
         out = self._outputs.get(key)
         if out is None:
             with self.lock:
                 out = self._outputs.setdefault(key, torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
         return out
 
-    def prepare(self, stream: int, sizes: list[int], hidden: int, top_k: int, device: torch.device,
-                deferred: bool) -> None:  # fmt: skip
+    def prepare(self, sizes: list[int], hidden: int, top_k: int, device: torch.device, deferred: bool) -> None:
         """Allocate ahead what calls of these batch sizes use (allocating while a CUDA graph is
         captured may fail): one slot (two with deferred experts) and both device outputs each."""
         for tokens in sizes:
-            slots = [self.acquire(stream, tokens, hidden, top_k, deferred) for _ in range(1 + deferred)]
+            slots = [self.acquire(tokens, hidden, top_k, deferred) for _ in range(1 + deferred)]
             for slot in slots:
-                self.release(stream, slot)
+                self.release(slot)
             for parity in (0, 1):
-                self.output(stream, tokens, hidden, device, parity)
+                self.output(tokens, hidden, device, parity)
 
     def clear(self) -> None:
         with self.lock:
@@ -166,7 +167,7 @@ class StreamForward:
                  parity: int) -> None:  # fmt: skip
         self.layer = ext.StreamLayer.create(layer, deferred_layer, gpu_mask_address, hidden, top_k)
         self.hidden, self.top_k, self.parity = hidden, top_k, parity
-        self._prepared: set[tuple[int, torch.device]] = set()
+        self._prepared: set[torch.device] = set()
         # Host inputs a queued copy still reads, with the queued() count that makes them free.
         self._keep_alive: collections.deque[tuple[int, tuple[torch.Tensor, ...]]] = collections.deque()
 
@@ -176,10 +177,10 @@ class StreamForward:
         """Queue the call (inputs checked, contiguous, on one device: x bf16, ids int64 or int32,
         weights float32, deferred_ids int64)."""
         tokens, device = x.shape[0], x.device
-        if (stream, device) not in self._prepared:
-            BUFFERS.prepare(stream, capture_sizes, self.hidden, self.top_k, device, deferred_ids is not None)
-            self._prepared.add((stream, device))
-        slot = BUFFERS.acquire(stream, tokens, self.hidden, self.top_k, deferred_ids is not None)
+        if device not in self._prepared:
+            BUFFERS.prepare(capture_sizes, self.hidden, self.top_k, device, deferred_ids is not None)
+            self._prepared.add(device)
+        slot = BUFFERS.acquire(tokens, self.hidden, self.top_k, deferred_ids is not None)
         deferred_address = 0 if deferred_ids is None else deferred_ids.data_ptr()
         try:
             handle = self.layer.submit(
@@ -201,13 +202,13 @@ class StreamForward:
     def sync(self, call: StreamCall) -> torch.Tensor:
         """Queue the wait and the output copy; returns the device output. Raises the first error a
         host function of this layer met (of this call or an earlier one)."""
-        out = BUFFERS.output(call.stream, call.tokens, self.hidden, call.device, self.parity)
+        out = BUFFERS.output(call.tokens, self.hidden, call.device, self.parity)
         self.layer.sync(call.handle, call.stream, out.data_ptr())
         # Whatever reuses these slots next is queued after this sync on the same stream.
         if not call.deferred:  # else held until the call that adds its deferred output syncs
-            BUFFERS.release(call.stream, call.slot)
+            BUFFERS.release(call.slot)
         if call.adds is not None:
-            BUFFERS.release(call.adds.stream, call.adds.slot)
+            BUFFERS.release(call.adds.slot)
         self.layer.rethrow_error()
         return out
 
