@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import math
 import os
@@ -495,8 +496,11 @@ class KTMoEWrapper:
     def _submit_on_stream(
         self, stream: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> None:
-        device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else None
-        with stream_path.on_stream(stream, device or torch.device("cpu")):  # conversions queue on it
+        device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu")
+        # Conversions and the deferred split are torch operations: queued on the stream. Entering it
+        # costs tens of microseconds, so calls that need neither (SGLang's) skip it.
+        plain = self._deferred_layer is None and stream_path.as_engine_reads(hidden_states, topk_ids, topk_weights)
+        with contextlib.nullcontext() if plain else stream_path.on_stream(stream, device):
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights, on_device=True)
             deferred_ids = None
             if self._deferred_layer is not None and x.shape[0] > 0:

@@ -49,6 +49,16 @@ def stream_handle(cuda_stream: object, hidden_states: object) -> int | None:
     return handle
 
 
+def as_engine_reads(x: object, ids: object, weights: object) -> bool:
+    """Whether the inputs need no torch operation before their copies: contiguous bf16 x, int32 or
+    int64 ids, float32 weights (anything else, malformed inputs included, goes the checked way)."""
+    return (
+        isinstance(x, torch.Tensor) and isinstance(ids, torch.Tensor) and isinstance(weights, torch.Tensor)
+        and x.dtype == torch.bfloat16 and ids.dtype in (torch.int32, torch.int64) and weights.dtype == torch.float32
+        and x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+    )  # fmt: skip
+
+
 _external_streams: dict[tuple[int, torch.device], Any] = {}
 
 
