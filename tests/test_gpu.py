@@ -72,11 +72,11 @@ def test_float32_inputs_and_a_torch_stream_object():
 
 def test_two_layers_in_flight(layers):
     inputs = [routing(6, 10 + i) for i in range(2)]
-    expected = [moe.forward(*call) for moe, call in zip(layers, inputs)]
-    for moe, (x, ids, weights) in zip(layers, inputs):
+    expected = [moe.forward(*call) for moe, call in zip(layers, inputs, strict=False)]
+    for moe, (x, ids, weights) in zip(layers, inputs, strict=False):
         moe.submit_forward(x.cuda(), ids.cuda(), weights.cuda())
     outs = [moe.sync_forward().clone() for moe in layers[:2]]
-    for out, want in zip(outs, expected):
+    for out, want in zip(outs, expected, strict=True):
         assert torch.equal(out.cpu(), want)
 
 

@@ -35,7 +35,9 @@ def build_fake(directory) -> str:
     if compiler is None:
         pytest.skip("no C compiler to build the stand-in CUDA runtime")
     library = str(directory / "libfake_cudart.so")
-    subprocess.run([compiler, "-O1", "-shared", "-fPIC", "-pthread", "-o", library, str(FAKE_SOURCE)], check=True)
+    subprocess.run(
+        [compiler, "-O1", "-shared", "-fPIC", "-pthread", "-o", library, str(FAKE_SOURCE)], check=True
+    )
     return library
 
 
@@ -74,8 +76,8 @@ class Fake:
     def read(self, tensor: torch.Tensor, stream: int) -> torch.Tensor:
         """A copy of `tensor` made in stream order (as the caller's next GPU kernel would read it)."""
         copy = torch.empty_like(tensor)
-        self.lib.cudaMemcpyAsync(copy.data_ptr(), tensor.data_ptr(), tensor.numel() * tensor.element_size(), 4,
-                                 stream)  # fmt: skip
+        size = tensor.numel() * tensor.element_size()
+        self.lib.cudaMemcpyAsync(copy.data_ptr(), tensor.data_ptr(), size, 4, stream)
         return copy
 
 
@@ -166,10 +168,16 @@ def run_stack(layers, problems, stream=None, fake=None) -> list[torch.Tensor]:
 
 
 def test_deferred_experts_across_layers_match_the_direct_path(fake):
-    made = [layer(layer_idx=i, seed=10 + i, max_deferred_experts_per_token=d) for i, d in enumerate([2, 1, 2, 0])]
+    made = [
+        layer(layer_idx=i, seed=10 + i, max_deferred_experts_per_token=d) for i, d in enumerate([2, 1, 2, 0])
+    ]
     layers, problems = [m for m, _ in made], [p for _, p in made]
     for p in problems:
-        p.hidden, p.ids, p.weights = p.hidden[:2], p.ids[:2], p.weights[:2]  # few tokens: something is deferred
+        p.hidden, p.ids, p.weights = (
+            p.hidden[:2],
+            p.ids[:2],
+            p.weights[:2],
+        )  # few tokens: something is deferred
     expected = run_stack(layers, problems)
     immediate = [moe_wrapper(E, K, H, I, layer_idx=i) for i in range(4)]
     for moe, p in zip(immediate, problems, strict=True):

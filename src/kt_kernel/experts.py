@@ -74,8 +74,8 @@ class KTMoEWrapper:
     ``forward`` returns ``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
     with ``e = topk_ids[t,k]``; id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
     Keyword names follow upstream kt-kernel; ``cpu_save`` is accepted and stored. With CUDA inputs or
-    a ``cuda_stream``, a call is ordered on that stream (kt_kernel.stream_path, docs/serving.md). ``method`` keeps the name given ('AMXINT4');
-    ``weight_format`` is the format it means ('INT4').
+    a ``cuda_stream``, a call is ordered on that stream (kt_kernel.stream_path, docs/serving.md).
+    ``method`` keeps the name given ('AMXINT4'); ``weight_format`` is the format it means ('INT4').
 
     GPU experts: ``gpu_experts_mask`` (bool [num_experts]) or upstream's ``num_gpu_experts=n``
     (experts 0..n-1; both given: they must agree). ``gpu_experts_mask`` is a CPU bool tensor the
@@ -499,13 +499,17 @@ class KTMoEWrapper:
         device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu")
         # Conversions and the deferred split are torch operations: queued on the stream. Entering it
         # costs tens of microseconds, so calls that need neither (SGLang's) skip it.
-        plain = self._deferred_layer is None and stream_path.as_engine_reads(hidden_states, topk_ids, topk_weights)
+        plain = self._deferred_layer is None and stream_path.as_engine_reads(
+            hidden_states, topk_ids, topk_weights
+        )
         with contextlib.nullcontext() if plain else stream_path.on_stream(stream, device):
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights, on_device=True)
             deferred_ids = None
             if self._deferred_layer is not None and x.shape[0] > 0:
                 ids, deferred_ids = self.select_deferred_experts(
-                    ids.to(torch.int64), weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
+                    ids.to(torch.int64),
+                    weights,
+                    self.num_experts_per_tok - self.max_deferred_experts_per_token,
                 )
         if x.shape[0] == 0:
             self._in_flight = stream_path.StreamCall(stream, 0, 0, x.device, None, None, False)
@@ -517,7 +521,9 @@ class KTMoEWrapper:
             )  # fmt: skip
         pending = self._take_pending_deferred(x.shape[0], on_stream=True)
         adds = None if pending is None else pending._stream_deferred
-        call = self._stream.submit(stream, x, ids, weights, deferred_ids, adds, KTMoEWrapper._capture_batch_sizes)
+        call = self._stream.submit(
+            stream, x, ids, weights, deferred_ids, adds, KTMoEWrapper._capture_batch_sizes
+        )
         with KTMoEWrapper._deferred_lock:  # taken once this call is on its way, as on the direct path
             if pending is not None:
                 pending._stream_deferred = None
@@ -547,7 +553,8 @@ class KTMoEWrapper:
                 given = None if cuda_stream is None else stream_path.stream_handle(cuda_stream, None)
                 if given is not None and given != out.stream:
                     raise ValueError(
-                        f"sync_forward's cuda_stream ({given}) is not the one submit_forward used ({out.stream})"
+                        f"sync_forward's cuda_stream ({given}) is not the one submit_forward used "
+                        f"({out.stream})"
                     )
                 self._in_flight = None
                 if out.tokens == 0:
@@ -602,14 +609,16 @@ class KTMoEWrapper:
             if on_stream != (pending._stream_deferred is not None):
                 raise RuntimeError(
                     f"layer {pending.layer_idx}'s deferred experts are pending on the "
-                    f"{'stream' if pending._stream_deferred is not None else 'direct'} path and this call takes "
+                    f"{'stream' if pending._stream_deferred is not None else 'direct'} path and this call "
+                    "takes "
                     "the other: calls with deferred experts must all be on a CUDA stream or none"
                 )
             if on_stream:
                 if pending.layer_idx > self.layer_idx or pending._stream_deferred.tokens != tokens:
                     raise RuntimeError(
-                        f"layer {pending.layer_idx}'s deferred experts ({pending._stream_deferred.tokens} tokens) "
-                        f"are pending and layer {self.layer_idx} starts a new pass or has {tokens} tokens: on a "
+                        f"layer {pending.layer_idx}'s deferred experts ({pending._stream_deferred.tokens} "
+                        f"tokens) are pending and layer {self.layer_idx} starts a new pass or has {tokens} "
+                        "tokens: on a "
                         "stream, give the last layer max_deferred_experts_per_token=0"
                     )
                 return pending
@@ -739,7 +748,9 @@ class KTMoEWrapper:
         with self._lock:
             try:
                 if self._stream is not None:  # queued host functions of this layer do nothing from now on
-                    self._stream.close(self._in_flight if isinstance(self._in_flight, stream_path.StreamCall) else None)
+                    self._stream.close(
+                        self._in_flight if isinstance(self._in_flight, stream_path.StreamCall) else None
+                    )
                     if self._stream_deferred is not None:
                         stream_path.BUFFERS.retire(self._stream_deferred.slot)
                 elif self._in_flight is not None and self._in_flight.shape[0] > 0:
@@ -763,7 +774,11 @@ class KTMoEWrapper:
             self.close()
 
     def _check_inputs(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, on_device: bool = False
+        self,
+        hidden_states: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        on_device: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The inputs as the engine reads them: bf16 x, int64 ids, float32 weights, contiguous.
         on_device (the stream path): on any one device, and int32 ids are kept (widened on the host)."""
@@ -824,9 +839,14 @@ class KTMoEWrapper:
             raise RuntimeError(f"cannot {action}: this wrapper is closed")
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
-        if stream_too and self._stream is not None and (self._stream.layer.outstanding or self._stream_deferred):
+        if (
+            stream_too
+            and self._stream is not None
+            and (self._stream.layer.outstanding or self._stream_deferred)
+        ):
             raise RuntimeError(
-                f"cannot {action} while calls of this layer queued on a CUDA stream have not run: synchronize "
+                f"cannot {action} while calls of this layer queued on a CUDA stream have not run: "
+                "synchronize "
                 "the stream first"
             )
         if deferred_too and self._deferred_out is not None:
@@ -859,7 +879,9 @@ class KTMoEWrapper:
             try:
                 stream = wrapper._stream
                 busy_streams |= stream is not None and (
-                    wrapper._in_flight is not None or wrapper._stream_deferred is not None or stream.layer.outstanding > 0
+                    wrapper._in_flight is not None
+                    or wrapper._stream_deferred is not None
+                    or stream.layer.outstanding > 0
                 )
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()

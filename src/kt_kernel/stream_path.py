@@ -42,7 +42,8 @@ def stream_handle(cuda_stream: object, hidden_states: object) -> int | None:
     handle = cuda_stream if isinstance(cuda_stream, int) else getattr(cuda_stream, "cuda_stream", None)
     if isinstance(handle, bool) or not isinstance(handle, int):
         raise TypeError(
-            f"cuda_stream must be an int stream handle or a torch.cuda.Stream, got {type(cuda_stream).__name__}"
+            "cuda_stream must be an int stream handle or a torch.cuda.Stream, got "
+            f"{type(cuda_stream).__name__}"
         )
     if not 0 <= handle < 2**64:
         raise ValueError(f"cuda_stream = {handle} is not a stream handle")
@@ -54,7 +55,8 @@ def as_engine_reads(x: object, ids: object, weights: object) -> bool:
     int64 ids, float32 weights (anything else, malformed inputs included, goes the checked way)."""
     return (
         isinstance(x, torch.Tensor) and isinstance(ids, torch.Tensor) and isinstance(weights, torch.Tensor)
-        and x.dtype == torch.bfloat16 and ids.dtype in (torch.int32, torch.int64) and weights.dtype == torch.float32
+        and x.dtype == torch.bfloat16 and ids.dtype in (torch.int32, torch.int64)
+        and weights.dtype == torch.float32
         and x.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
     )  # fmt: skip
 
@@ -131,10 +133,14 @@ class StreamBuffers:
         out = self._outputs.get(key)
         if out is None:
             with self.lock:
-                out = self._outputs.setdefault(key, torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
+                out = self._outputs.setdefault(
+                    key, torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device)
+                )
         return out
 
-    def prepare(self, sizes: list[int], hidden: int, top_k: int, device: torch.device, deferred: bool) -> None:
+    def prepare(
+        self, sizes: list[int], hidden: int, top_k: int, device: torch.device, deferred: bool
+    ) -> None:
         """Allocate ahead what calls of these batch sizes use (allocating while a CUDA graph is
         captured may fail): one slot (two with deferred experts) and both device outputs each."""
         for tokens in sizes:
@@ -197,7 +203,8 @@ class StreamForward:
                 stream, tokens, x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int32, weights.data_ptr(),
                 deferred_address, slot.x.data_ptr(), slot.ids.data_ptr(), slot.weights.data_ptr(),
                 0 if slot.deferred_ids is None else slot.deferred_ids.data_ptr(), slot.out.data_ptr(),
-                0 if slot.deferred_out is None else slot.deferred_out.data_ptr(), 0 if adds is None else adds.handle,
+                0 if slot.deferred_out is None else slot.deferred_out.data_ptr(),
+                0 if adds is None else adds.handle,
             )  # fmt: skip
         except BaseException:
             BUFFERS.retire(slot)  # copies queued before the failure may still write it
