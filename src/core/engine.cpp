@@ -355,7 +355,13 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
       w.packed[slot] = 1;
     }
   });
-  w.loaded = std::all_of(w.packed.begin(), w.packed.end(), [](uint8_t p) { return p != 0; });
+  w.loaded = w.ready();
+}
+
+bool ExpertWeights::ready() const {
+  for (size_t slot = 0; slot < packed.size(); ++slot)
+    if (!packed[slot] && !skip[slot]) return false;
+  return !packed.empty();
 }
 
 void MoEEngine::unload() {
@@ -373,6 +379,10 @@ void MoEEngine::set_gpu_experts(const uint8_t* gpu_mask) {
   std::lock_guard<std::mutex> lock(api_mutex_);
   if (pending_) throw std::logic_error("cannot change the GPU experts while a forward is in flight");
   if (std::memcmp(weights_->skip.data(), gpu_mask, weights_->skip.size()) == 0) return;
+  if (!weights_->packed.empty())
+    for (size_t e = 0; e < weights_->skip.size(); ++e)
+      require(gpu_mask[e] || weights_->packed[e],
+              "expert " + std::to_string(e) + " is not in CPU memory (skip_gpu_expert_cpu_copy): load it first");
   for (size_t e = 0; e < weights_->skip.size(); ++e) weights_->skip[e] = gpu_mask[e] != 0;
 }
 
@@ -383,6 +393,8 @@ void MoEEngine::unpack(Projection projection, int expert, const UnpackRegion& re
   const ExpertWeights& w = *weights_;
   const PackedProjection& p = projection == Projection::kGate ? w.gate : projection == Projection::kUp ? w.up : w.down;
   require(expert >= 0 && expert < shape_.num_experts, "expert id outside [0, num_experts)");
+  require(w.packed[expert], "expert " + std::to_string(expert) +
+                                " is not in CPU memory (skip_gpu_expert_cpu_copy): nothing to write back");
   require(region.row0 >= 0 && region.rows >= 0 && region.row0 <= p.rows - region.rows,
           "unpack rows outside the projection");
   require(region.k0 >= 0 && region.cols >= 0 && region.k0 <= p.k - region.cols, "unpack inputs outside the projection");

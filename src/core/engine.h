@@ -112,7 +112,9 @@ struct ExpertWeights {
   PackedProjection gate, up, down;
   std::vector<uint8_t> skip;    // per expert: 1 = GPU-resident, its routing entries are ignored
   std::vector<uint8_t> packed;  // per slot: its weights are packed (loads may come in parts)
-  bool loaded = false;          // every slot packed
+  bool loaded = false;          // every slot packed, or skipped (a GPU expert need not be in CPU memory)
+  // Whether every slot the engine may compute is packed.
+  bool ready() const;
 };
 
 class MoEEngine {
@@ -127,19 +129,21 @@ class MoEEngine {
 
   // gate, up: [num_sources, intermediate, hidden]; down: [num_sources, hidden, intermediate], in
   // the engine's format. Physical slot p gets the weights of source expert source_of_slot[p].
-  // Copies and packs; nothing refers to the sources afterwards. Every slot is packed, skipped ones
-  // too, so that set_gpu_experts can hand any expert back to the CPU without a reload.
+  // Copies and packs; nothing refers to the sources afterwards.
   // A load in parts (a layer read a few experts at a time, so that only those experts' sources
   // exist at once) starts with unload(); then source_of_slot[p] = -1 leaves slot p to another part.
   // The parts must share their scale groups; zero points given for some parts only mean zero
-  // points of 0 for the others. The engine runs once every slot is packed.
+  // points of 0 for the others. The engine runs once every slot is packed or skipped: a skipped
+  // (GPU) slot may stay unpacked, out of CPU memory, until a later load packs it; set_gpu_experts
+  // refuses to hand it to the CPU before that.
   void load(SourceProjection gate, SourceProjection up, SourceProjection down, int num_sources,
             const int64_t* source_of_slot);
   // Every slot unpacked (the memory is kept for the next load): a load in parts starts here.
   void unload();
   // gpu_mask[e] != 0 (num_experts bytes, 0 or 1): expert e is computed elsewhere and its routing
   // entries are ignored from the next submit on. Compares first, so an unchanged mask costs a
-  // memcmp. Not while a forward is in flight.
+  // memcmp. Not while a forward is in flight. A mask that hands the CPU an expert whose slot is not
+  // packed is refused (std::invalid_argument) and the set is kept.
   void set_gpu_experts(const uint8_t* gpu_mask);
   // Writes slot `expert`'s rows and inputs of one projection given by `region` back in the
   // canonical layout (UnpackRegion), on the pool's threads. Not while a forward is in flight.

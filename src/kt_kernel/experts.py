@@ -80,9 +80,11 @@ class KTMoEWrapper:
     GPU experts: ``gpu_experts_mask`` (bool [num_experts]) or upstream's ``num_gpu_experts=n``
     (experts 0..n-1; both given: they must agree). ``gpu_experts_mask`` is a CPU bool tensor the
     caller may update in place (``wrapper.gpu_experts_mask.copy_(m)``, from any device) or assign;
-    the change applies from the next ``submit_forward``. Every expert's weights are packed, masked
-    ones too, so any expert can come back to the CPU without a reload: CPU memory holds all
-    ``num_experts`` experts whatever the mask.
+    the change applies from the next ``submit_forward``. By default every expert's weights are
+    packed, masked ones too, so any expert can come back to the CPU without a reload. With
+    ``skip_gpu_expert_cpu_copy=True`` (upstream's option name) the experts masked at load are left
+    out of CPU memory; one the mask hands back later is read from ``weight_path`` at the next submit
+    (a RuntimeError when the weights came from tensors).
 
     ``threadpool_count`` > 1 splits the layer into that many subpools, each with its share of
     ``cpuinfer_threads`` and a contiguous slice of the intermediate dimension of every expert
@@ -120,6 +122,7 @@ class KTMoEWrapper:
         swiglu_limit: float | None = None,
         swiglu_alpha: float | None = None,
         int8_activations: bool = False,
+        skip_gpu_expert_cpu_copy: bool = False,
     ) -> None:
         if mode == "sft":
             raise NotImplementedError("SFT mode is not supported: kt_kernel runs inference only")
@@ -174,6 +177,11 @@ class KTMoEWrapper:
         if not isinstance(int8_activations, bool):
             raise TypeError(f"int8_activations must be a bool, got {type(int8_activations).__name__}")
         self.int8_activations = int8_activations
+        if not isinstance(skip_gpu_expert_cpu_copy, bool):
+            raise TypeError(
+                f"skip_gpu_expert_cpu_copy must be a bool, got {type(skip_gpu_expert_cpu_copy).__name__}"
+            )
+        self.skip_gpu_expert_cpu_copy = skip_gpu_expert_cpu_copy
         # The engines read this tensor's memory at every submit: it is replaced only in place.
         self._gpu_experts_mask = self._initial_gpu_mask(gpu_experts_mask, num_gpu_experts)
         self._gpu_mask_address = self._gpu_experts_mask.data_ptr()
@@ -197,6 +205,10 @@ class KTMoEWrapper:
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
         self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
+        # skip_gpu_expert_cpu_copy: the slots left out of CPU memory (GPU experts at load), and where
+        # load_weights read each slot's expert from (None: the weights came from tensors).
+        self._unpacked: torch.Tensor | None = None
+        self._source_of_slot: torch.Tensor | None = None
         self._loaded = False
         # _lock guards the engines and _in_flight: every method takes turns on it, so calls from
         # several Python threads are serialized (or refused while a forward is in flight).
@@ -330,6 +342,8 @@ class KTMoEWrapper:
         """Every slot of every engine unpacked: the parts of a load follow (_load_part)."""
         self._loaded = False
         self._zero_points = False
+        self._source_of_slot = None
+        self._unpacked = self._gpu_experts_mask.clone() if self.skip_gpu_expert_cpu_copy else None
         for sp in self._subpools:
             sp.engine.unload()
 
@@ -361,6 +375,8 @@ class KTMoEWrapper:
         )
         if not part:
             self._start_load()
+        if self._unpacked is not None:  # GPU experts stay out of CPU memory
+            slot_map = torch.where(self._unpacked, -1, slot_map)
         # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
         # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
         self._scale_groups = {name: self._format.scale_group(v, s) for name, (v, s, _) in canonical.items()}
@@ -398,6 +414,8 @@ class KTMoEWrapper:
             for first in range(0, sources, per_part):
                 experts = range(first, min(sources, first + per_part))
                 in_part = (slot_map >= experts.start) & (slot_map < experts.stop)
+                if self._unpacked is not None:
+                    in_part &= ~self._unpacked
                 if not in_part.any():
                     continue
                 tensors = reader.read(experts)
@@ -411,7 +429,42 @@ class KTMoEWrapper:
                     part=True,
                     first_expert=experts.start,
                 )
+            self._source_of_slot = slot_map
             self._loaded = True
+
+    def _load_experts_the_mask_hands_back(self) -> None:
+        """skip_gpu_expert_cpu_copy: pack the experts gpu_experts_mask now gives the CPU that were
+        left out of CPU memory, read from weight_path (a RuntimeError where the weights came from
+        tensors). Called with self._lock held, before a forward."""
+        need = self._unpacked & ~self._gpu_experts_mask
+        if not bool(need.any()):
+            return
+        slots = torch.nonzero(need).flatten().tolist()
+        if self._source_of_slot is None:
+            raise RuntimeError(
+                f"experts {slots} are not in CPU memory (skip_gpu_expert_cpu_copy) and the weights came from "
+                "tensors: load them again, or mark these experts GPU-resident again"
+            )
+        self._require_idle("load the experts gpu_experts_mask hands to the CPU", deferred_too=False)
+        reader = checkpoint.LayerReader(self.weight_path, self.layer_idx, self.weight_format)
+        for slot in slots:
+            source = int(self._source_of_slot[slot])
+            tensors = reader.read(range(source, source + 1))
+            self._unpacked[slot] = False  # _load_part packs only slots not marked unpacked
+            try:
+                self._load_part(
+                    tensors.pop("gate"),
+                    tensors.pop("up"),
+                    tensors.pop("down"),
+                    torch.where(torch.arange(self.num_experts) == slot, 0, -1),
+                    {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
+                    {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
+                    part=True,
+                    first_expert=source,
+                )
+            except BaseException:
+                self._unpacked[slot] = True
+                raise
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(
@@ -451,6 +504,8 @@ class KTMoEWrapper:
                     if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
+            if self._unpacked is not None:
+                self._load_experts_the_mask_hands_back()
             if stream is not None:
                 self._require_idle("submit a forward", deferred_too=False, stream_too=False)
                 self._submit_on_stream(stream, hidden_states, topk_ids, topk_weights)
