@@ -26,7 +26,9 @@ def routed_to(problem, experts: list[int]):
 def hf_dir(tmp_path, problem) -> str:
     tensors = {}
     for e in range(E):
-        for name, weights in (("gate_proj", problem.gate), ("up_proj", problem.up), ("down_proj", problem.down)):
+        for name, weights in zip(
+            ("gate_proj", "up_proj", "down_proj"), (problem.gate, problem.up, problem.down)
+        ):
             tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = weights[e].to(torch.bfloat16)
     write_model_dir(tmp_path / "model", tensors)
     return str(tmp_path / "model")
@@ -43,7 +45,8 @@ def test_from_tensors_gpu_experts_are_left_out_and_handing_one_back_is_an_error(
     h13, h2 = torch.empty(2 * I, H, dtype=torch.bfloat16), torch.empty(H, I, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not in CPU memory"):
         lean.submit_write_weight_scale_to_buffer(1, 0, [h13.data_ptr()], None, [h2.data_ptr()], None)
-    lean.submit_write_weight_scale_to_buffer(1, 2, [h13.data_ptr()], None, [h2.data_ptr()], None)  # a CPU expert
+    # Expert 2 is a CPU expert: it writes back.
+    lean.submit_write_weight_scale_to_buffer(1, 2, [h13.data_ptr()], None, [h2.data_ptr()], None)
     lean.gpu_experts_mask[1] = False
     with pytest.raises(RuntimeError, match=r"experts \[1\] are not in CPU memory"):
         lean.forward(*call)
