@@ -26,9 +26,8 @@ def routed_to(problem, experts: list[int]):
 def hf_dir(tmp_path, problem) -> str:
     tensors = {}
     for e in range(E):
-        for name, weights in zip(
-            ("gate_proj", "up_proj", "down_proj"), (problem.gate, problem.up, problem.down)
-        ):
+        projections = (problem.gate, problem.up, problem.down)
+        for name, weights in zip(("gate_proj", "up_proj", "down_proj"), projections, strict=True):
             tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = weights[e].to(torch.bfloat16)
     write_model_dir(tmp_path / "model", tensors)
     return str(tmp_path / "model")
