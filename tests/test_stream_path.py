@@ -84,8 +84,9 @@ class Fake:
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory):
     library = build_fake(tmp_path_factory.mktemp("fake_cuda"))
-    os.environ["KT_KERNEL_CUDART"] = library  # read once, at the first call with a stream
-    return Fake(library)
+    os.environ["KT_KERNEL_CUDART"] = library  # the runtime is loaded once, at the first call with a stream
+    yield Fake(library)
+    del os.environ["KT_KERNEL_CUDART"]  # later modules: CPU tensors with a stream run directly again
 
 
 @pytest.fixture(autouse=True)
@@ -363,21 +364,44 @@ def test_interpreter_exit_with_work_queued(fake):
     assert result.returncode == 0 and "exiting" in result.stdout, result.stderr
 
 
-def test_no_cuda_runtime_is_loaded_without_a_stream_and_a_stream_without_one_is_a_clear_error():
+NO_RUNTIME_SCRIPT = """
+import torch
+from kt_kernel import KTMoEWrapper
+from kt_kernel._native import ext
+moe = KTMoEWrapper(0, 8, 2, 64, 64, None, 1, 1, None, 64, method="BF16")
+moe.load_weights_from_tensors(torch.randn(8, 64, 64), torch.randn(8, 64, 64), torch.randn(8, 64, 64))
+call = torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+expected = moe.forward(*call)
+moe.submit_forward(*call, 7)  # CPU tensors and a stream, no CUDA anywhere: the direct path
+assert torch.equal(moe.sync_forward(call[0], 7), expected)
+assert "cudart" not in open("/proc/self/maps").read()
+try:
+    ext.cuda_runtime_path()
+except RuntimeError as error:
+    print(error)
+"""
+
+
+def test_without_cuda_nothing_cuda_is_loaded_and_a_stream_runs_directly():
+    result = run_python(NO_RUNTIME_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA runtime loaded" in result.stdout and "KT_KERNEL_CUDART" in result.stdout
+
+
+def test_a_cuda_runtime_that_cannot_be_loaded_is_a_clear_error(tmp_path):
     script = textwrap.dedent("""
         import torch
         from kt_kernel import KTMoEWrapper
         moe = KTMoEWrapper(0, 8, 2, 64, 64, None, 1, 1, None, 64, method="BF16")
         moe.load_weights_from_tensors(torch.randn(8, 64, 64), torch.randn(8, 64, 64), torch.randn(8, 64, 64))
-        moe.forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2))
-        assert "cudart" not in open("/proc/self/maps").read()
+        call = torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
         try:
-            moe.submit_forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2), 7)
+            moe.submit_forward(*call, 7)
         except RuntimeError as error:
             print(error)
-        print(moe.forward(torch.randn(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)).shape)
+        print(torch.equal(moe.forward(*call), moe.forward(*call)))  # the layer goes on
     """)
-    result = run_python(script)
+    missing = tmp_path / "missing.so"
+    result = run_python(script, {"KT_KERNEL_CUDART": str(missing)})
     assert result.returncode == 0, result.stderr
-    assert "no CUDA runtime loaded" in result.stdout and "KT_KERNEL_CUDART" in result.stdout
-    assert "torch.Size([3, 64])" in result.stdout  # the layer goes on
+    assert f"cannot load the CUDA runtime {missing}" in result.stdout and "True" in result.stdout

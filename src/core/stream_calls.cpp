@@ -13,8 +13,17 @@ KT_NAMESPACE_BEGIN
 namespace {
 
 // Every StreamLayer of the process, for the fork handler. Never freed, as the layers themselves.
-std::mutex* registry_mutex = new std::mutex;
-std::vector<StreamLayer*>* registry = new std::vector<StreamLayer*>;
+// Made on first use, never at load: this file has the build's ISA flags, and nothing of it may run
+// before the module's CPUID check (a dynamic initializer would run at dlopen).
+std::mutex*& registry_mutex() {
+  static std::mutex* mutex = new std::mutex;
+  return mutex;
+}
+
+std::vector<StreamLayer*>& registry() {
+  static std::vector<StreamLayer*>* layers = new std::vector<StreamLayer*>;
+  return *layers;
+}
 
 CudaRuntime::Stream as_stream(uintptr_t handle) { return reinterpret_cast<CudaRuntime::Stream>(handle); }
 
@@ -44,15 +53,15 @@ StreamLayer* StreamLayer::create(MoESubpools* layer, MoESubpools* deferred, cons
   static const int fork_handler = pthread_atfork(nullptr, nullptr, &StreamLayer::after_fork_in_child);
   (void)fork_handler;
   StreamLayer* created = new StreamLayer(layer, deferred, gpu_mask, hidden, top_k);
-  std::lock_guard<std::mutex> lock(*registry_mutex);
-  registry->push_back(created);
+  std::lock_guard<std::mutex> lock(*registry_mutex());
+  registry().push_back(created);
   return created;
 }
 
 void StreamLayer::after_fork_in_child() {
   // Only the forking thread exists here: a lock another thread held is never released.
-  registry_mutex = new std::mutex;
-  for (StreamLayer* layer : *registry) layer->mutex_ = new std::mutex;
+  registry_mutex() = new std::mutex;
+  for (StreamLayer* layer : registry()) layer->mutex_ = new std::mutex;
 }
 
 StreamCall* StreamLayer::acquire_locked() {

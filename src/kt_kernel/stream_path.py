@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,12 +34,13 @@ from ._native import ext
 def stream_handle(cuda_stream: object, hidden_states: object) -> int | None:
     """The stream a call runs on: ``cuda_stream`` as an int handle (SGLang passes
     ``torch.cuda.current_stream().cuda_stream``) or a ``torch.cuda.Stream``; without one, CUDA
-    inputs run on their device's current stream and CPU inputs take the direct path (None)."""
+    inputs run on their device's current stream. None (the direct path): CPU inputs without a
+    stream, or with one where no CUDA runtime can exist (torch without CUDA and KT_KERNEL_CUDART
+    unset: the stream can order nothing, and such calls always ran directly)."""
+    device = getattr(hidden_states, "device", None)
+    on_gpu = isinstance(device, torch.device) and device.type == "cuda"
     if cuda_stream is None:
-        device = getattr(hidden_states, "device", None)
-        if isinstance(device, torch.device) and device.type == "cuda":
-            return torch.cuda.current_stream(device).cuda_stream
-        return None
+        return torch.cuda.current_stream(device).cuda_stream if on_gpu else None
     handle = cuda_stream if isinstance(cuda_stream, int) else getattr(cuda_stream, "cuda_stream", None)
     if isinstance(handle, bool) or not isinstance(handle, int):
         raise TypeError(
@@ -47,6 +49,8 @@ def stream_handle(cuda_stream: object, hidden_states: object) -> int | None:
         )
     if not 0 <= handle < 2**64:
         raise ValueError(f"cuda_stream = {handle} is not a stream handle")
+    if not on_gpu and not os.environ.get("KT_KERNEL_CUDART") and not torch.cuda.is_available():
+        return None
     return handle
 
 
