@@ -13,6 +13,8 @@ import torch
 from kt_kernel import KTMoEWrapper
 from kt_kernel.stream_path import BUFFERS
 
+from moe_reference import make_problem, moe_wrapper, random_routing
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch has no CUDA device")
 
 E, K, H, I = 16, 4, 256, 128
@@ -20,20 +22,16 @@ THREADS = 4
 
 
 def make_layer(layer_idx: int, method: str = "BF16", hidden: int = H, inter: int = I) -> KTMoEWrapper:
-    gen = torch.Generator().manual_seed(layer_idx)
-    gate, up = (torch.randn(E, inter, hidden, generator=gen) / hidden**0.5 for _ in range(2))
-    down = torch.randn(E, hidden, inter, generator=gen) / inter**0.5
-    moe = KTMoEWrapper(layer_idx, E, K, hidden, inter, None, THREADS, 1, None, 512, method=method)
-    moe.load_weights_from_tensors(gate, up, down)
+    p = make_problem(E, K, hidden, inter, tokens=1, seed=layer_idx)
+    moe = moe_wrapper(E, K, hidden, inter, layer_idx=layer_idx, cpuinfer_threads=THREADS, method=method)
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
     return moe
 
 
 def routing(tokens: int, seed: int, hidden: int = H) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(tokens)])
-    weights = torch.rand(tokens, K, generator=gen)
-    return x, ids, weights
+    g = torch.Generator().manual_seed(seed)
+    ids, weights = random_routing(tokens, E, K, g)
+    return torch.randn(tokens, hidden, generator=g).to(torch.bfloat16), ids, weights
 
 
 @pytest.fixture(scope="module")

@@ -210,20 +210,34 @@ def expected_buffers(method: str, gate, up, down, tp: int, inter: int) -> list[d
     parts = []
     for r in range(tp):
         a, b = r * part, (r + 1) * part
-        per_byte = 2 if method in ("INT4", "MXFP4") else 1
+        per_byte = 2 if method in ("INT4", "RAWINT4", "MXFP4") else 1
         buffers = {
             "w13": torch.cat([gate[0][a:b], up[0][a:b]]),
             "w2": down[0][:, a // per_byte : b // per_byte],
         }
         if method != "BF16":
             buffers["w13_scale"] = torch.cat([gate[1][a:b], up[1][a:b]])
-            if method == "INT8":  # one scale per down row, whole in every part
+            if down[1].dim() == 1:  # one scale per down row, whole in every part
                 buffers["w2_scale"] = down[1]
             else:
                 block = inter // down[1].shape[1]
                 buffers["w2_scale"] = down[1][:, a // block : b // block]
-        parts.append({name: t.contiguous() for name, t in buffers.items()})
+        parts.append({name: upstream_layout(method, name, t).contiguous() for name, t in buffers.items()})
     return parts
+
+
+def upstream_layout(method: str, name: str, canonical: torch.Tensor) -> torch.Tensor:
+    """What upstream kt-kernel writes for `method` where we have `canonical` bytes: MXFP4 scales as
+    bf16 bits e << 7 (fp4-moe.hpp, its loader's E8M0 conversion); RAWINT4 nibbles offset by 8 and
+    bf16 scales (k2-moe.hpp, rawint4-moe.hpp); FP8 scales one per 128 x 128 block (fp8-moe.hpp)."""
+    scale = name.endswith("scale")
+    if method == "MXFP4" and scale:
+        return (canonical.to(torch.int16) << 7).view(torch.bfloat16)
+    if method == "RAWINT4":
+        return canonical.to(torch.bfloat16) if scale else canonical ^ 0x88
+    if method == "FP8" and scale:
+        return canonical[::128]
+    return canonical
 
 
 def write_back(moe: KTMoEWrapper, expert: int, tp: int, like: list[dict[str, torch.Tensor]]) -> list[dict]:
@@ -245,7 +259,7 @@ def assert_same_bytes(got: list[dict], expected: list[dict]) -> None:
             assert torch.equal(g[name].view(torch.uint8), e[name].view(torch.uint8)), f"part {r} {name}"
 
 
-@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "MXFP4", "FP8"])
+@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "MXFP4"])
 @pytest.mark.parametrize("pools", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_write_back_is_bit_exact(method, pools, tp):
@@ -283,6 +297,70 @@ def test_write_back_of_given_canonical_weights(method, inter, tp, down_group):
         one = [tuple(t[expert] if t is not None else None for t in w) for w in (gate, up, down)]
         expected = expected_buffers(method, *one, tp, inter)
         assert_same_bytes(write_back(moe, expert, tp, expected), expected)
+
+
+def test_rawint4_writes_nibbles_offset_by_8_and_bf16_scales():
+    hidden, inter, tp = 64, 256, 2
+    p = make_problem(E, K, hidden, inter, tokens=1, seed=23)
+    # Kimi-K2's checkpoints hold bf16 scales: given as such, they come back exact.
+    gate, up, down = (
+        (v, s.to(torch.bfloat16)) for v, s in (quant.quantize("INT4", w, 32) for w in (p.gate, p.up, p.down))
+    )
+    moe = moe_wrapper(E, K, hidden, inter, method="RAWINT4", threadpool_count=2)
+    moe.load_weights_from_tensors(
+        gate[0], up[0], down[0], gate_scale=gate[1], up_scale=up[1], down_scale=down[1]
+    )
+    for expert in (0, 5):
+        one = [tuple(t[expert] for t in w) for w in (gate, up, down)]
+        expected = expected_buffers("RAWINT4", *one, tp, inter)
+        assert_same_bytes(write_back(moe, expert, tp, expected), expected)
+
+
+def fp8_block_weights(hidden: int, inter: int, seed: int):
+    """FP8 codes with DeepSeek's block scales [E, N/128, K/128] for gate, up, down."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        codes = (torch.randn(E, n, k, generator=g) * 50).to(torch.float8_e4m3fn).view(torch.uint8)
+        out.append((codes, torch.rand(E, n // 128, k // 128, generator=g) + 0.01))
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_writes_one_scale_per_block_and_per_channel_one_per_row(tp):
+    hidden, inter = 256, 256
+    (gv, gs), (uv, us), (dv, ds) = fp8_block_weights(hidden, inter, 24)
+    moe = moe_wrapper(E, K, hidden, inter, method="FP8", threadpool_count=2)
+    moe.load_weights_from_tensors(gv, uv, dv, gate_scale=gs, up_scale=us, down_scale=ds)
+    rows = [(v, s.repeat_interleave(128, dim=1)) for v, s in ((gv, gs), (uv, us), (dv, ds))]  # canonical
+    for expert in (1, 6):
+        one = [tuple(t[expert] for t in w) for w in rows]
+        expected = expected_buffers("FP8", *one, tp, inter)
+        got = write_back(moe, expert, tp, expected)
+        assert_same_bytes(got, expected)
+        assert got[0]["w13_scale"].shape == (2 * inter // tp // 128, hidden // 128)  # blocks, gate then up
+    channel = [
+        (v, s[..., :1].repeat_interleave(128, dim=1)[..., 0]) for v, s in ((gv, gs), (uv, us), (dv, ds))
+    ]
+    moe = moe_wrapper(E, K, hidden, inter, method="FP8_PERCHANNEL")
+    moe.load_weights_from_tensors(
+        *(v for v, _ in channel),
+        **dict(zip(("gate_scale", "up_scale", "down_scale"), (s for _, s in channel), strict=True)),
+    )
+    one = [tuple(t[2] for t in w) for w in channel]
+    expected = expected_buffers("FP8_PERCHANNEL", *one, tp, inter)
+    assert_same_bytes(write_back(moe, 2, tp, expected), expected)
+
+
+@pytest.mark.parametrize("method", ["FP8", "FP8_PERCHANNEL"])
+def test_fp8_scales_upstream_cannot_hold_are_refused(method):
+    hidden, inter = 256, 256
+    p = make_problem(E, K, hidden, inter, tokens=1, seed=25)
+    moe = moe_wrapper(E, K, hidden, inter, method=method)
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)  # quantized here: one scale per row and 128 inputs
+    buffers = [torch.empty(2 * inter * hidden, dtype=torch.uint8) for _ in range(4)]
+    with pytest.raises(ValueError, match="upstream's FP8"):
+        moe.submit_write_weight_scale_to_buffer(1, 0, *([b.data_ptr()] for b in buffers))
 
 
 def test_write_back_reads_the_physical_slot():

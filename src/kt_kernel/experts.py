@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, formats, stream_path
+from . import checkpoint, formats, stream_path, write_back
 from ._native import ext
 from .formats import require_shape
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
@@ -719,18 +719,19 @@ class KTMoEWrapper:
         w2_weight_ptrs: Sequence[int],
         w2_scale_ptrs: Sequence[int] | None,
     ) -> None:
-        """Write physical slot ``expert_id``'s weights and scales into caller buffers, in the
-        canonical layout ``load_weights_from_tensors`` takes with scales (BF16: bf16, no scales;
-        INT8: int8 [N, K] + float32 [N]; INT4: uint8 [N, K/2] + float32 [N, K/G]; MXFP4: uint8
-        codes [N, K/2] + E8M0 bytes [N, K/32]), bit-exact: the bytes that were loaded, or that
-        kt_kernel.quant.quantize made on load.
+        """Write physical slot ``expert_id``'s weights and scales into caller host buffers, in the
+        bytes upstream kt-kernel writes for this wrapper's ``method`` (SGLang repacks them for its
+        GPU kernels): the canonical layout ``load_weights_from_tensors`` takes with scales, except
+        MXFP4 scales as bf16 2^(e-127), RAWINT4 nibbles as q + 8 with bf16 scales, and FP8 block
+        scales one per 128 x 128 block (kt_kernel.write_back, docs/serving.md). Values bit-exact:
+        the bytes that were loaded, or that kt_kernel.quant.quantize made on load.
 
         The pointer lists hold ``gpu_tp_count`` raw addresses (``tensor.data_ptr()``); part r
         covers intermediate rows [r * I/tp, (r + 1) * I/tp) (I = moe_intermediate_size):
         ``w13_weight_ptrs[r]``: gate rows of the part then up rows, [2 * I/tp, H] values;
-        ``w13_scale_ptrs[r]``: their scales, the same rows; ``w2_weight_ptrs[r]``: columns of the
-        part of every down row, [H, I/tp]; ``w2_scale_ptrs[r]``: their scales (INT8: all H row
-        scales, [H]). Scale lists may be None or empty for BF16. Each buffer must be that large.
+        ``w13_scale_ptrs[r]``: their scales, gate then up; ``w2_weight_ptrs[r]``: columns of the
+        part of every down row, [H, I/tp]; ``w2_scale_ptrs[r]``: their scales (per-row down scales:
+        all H, [H]). Scale lists may be None or empty for BF16. Each buffer must be that large.
 
         The work is done here, on the engines' threads, before this returns;
         ``sync_write_weight_scale_to_buffer`` then has nothing left to wait for.
@@ -769,28 +770,10 @@ class KTMoEWrapper:
                     f"gate and up were loaded with different {fmt.name} group sizes: w13 scale rows cannot "
                     "hold both"
                 )
-            part = inter // tp
-            h_bytes, h_scale_bytes = fmt.canonical_bytes(H), fmt.canonical_scale_bytes(H, gate_group)
-            part_bytes = fmt.canonical_bytes(part)
-            part_scale_bytes = fmt.canonical_scale_bytes(part, down_group)
-            for r in range(tp):
-                first, last = r * part, (r + 1) * part
-                for sp in self._subpools:  # each holds rows [start, stop) of I
-                    lo, hi = max(first, sp.start), min(last, sp.stop)
-                    if lo >= hi:
-                        continue
-                    for name, row in (("gate", lo - first), ("up", part + lo - first)):
-                        sp.engine.unpack(
-                            name, expert, lo - sp.start, hi - lo, 0, H,
-                            w13[r] + row * h_bytes, h_bytes, s13[r] + row * h_scale_bytes, h_scale_bytes,
-                        )  # fmt: skip
-                    # A per-row down scale is the same in every part.
-                    column = fmt.canonical_bytes(lo - first)
-                    scale_column = fmt.canonical_scale_bytes(lo - first, down_group) if down_group else 0
-                    sp.engine.unpack(
-                        "down", expert, 0, H, lo - sp.start, hi - lo,
-                        w2[r] + column, part_bytes, s2[r] + scale_column, part_scale_bytes,
-                    )  # fmt: skip
+            write_back.write_expert(
+                fmt, write_back.layout_of(self.method), self._subpools, H, inter, self._scale_groups, expert,
+                w13, s13, w2, s2,
+            )  # fmt: skip
 
     def sync_write_weight_scale_to_buffer(self) -> None:
         """Kept for upstream's call sequence: submit_write_weight_scale_to_buffer finished the work."""

@@ -107,6 +107,11 @@ class WeightFormat:
                 object.__setattr__(self, rule.name, native[rule.name])
 
     @property
+    def canonical_scale_dtype(self) -> torch.dtype:
+        """The dtype canonical scales are read back in (the first a caller may give them in)."""
+        return self.scale_dtypes[0]
+
+    @property
     def group_scales(self) -> bool:
         """Scales may be per group of inputs along K: a cut along K must fall between groups."""
         return any(group > 0 for group in self.scale_groups)

@@ -1,0 +1,151 @@
+"""Writing one expert into a serving stack's host buffers (``submit_write_weight_scale_to_buffer``),
+in the bytes upstream kt-kernel writes for the same method: SGLang repacks them for its GPU kernels.
+
+Part r of ``tp`` covers intermediate rows [r * I/tp, (r + 1) * I/tp): w13 = those gate rows, then
+those up rows ([2 * I/tp, H]); w2 = those columns of every down row ([H, I/tp]). Values and scales
+are the canonical layout (kt_kernel.formats) except where a method's entry in UPSTREAM_LAYOUTS says
+otherwise; methods upstream cannot write back (AMXINT4/AMXINT8, GPTQ_INT4: its code raises) get the
+canonical layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .formats import FP8_BLOCK, WeightFormat
+
+#: Canonical scales [rows, scales per row] (their dtype), their scale group -> the caller's bytes.
+ScaleConverter = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _e8m0_to_bf16(scales: torch.Tensor, group: int) -> torch.Tensor:
+    # bf16 bits e << 7 = 2^(e - 127) (0 for e = 0), as upstream's loader converts E8M0.
+    return (scales.to(torch.int16) << 7).view(torch.bfloat16)
+
+
+def _to_bf16(scales: torch.Tensor, group: int) -> torch.Tensor:
+    return scales.to(torch.bfloat16)  # round to nearest even; exact for scales loaded as bf16
+
+
+def _fp8_blocks(scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Per-row scales of 128-input groups -> one per 128 x 128 block (DeepSeek's, upstream's FP8);
+    per-channel scales (group 0) stay one per row (upstream's FP8_PERCHANNEL)."""
+    if group == 0:
+        return scales
+    rows = scales.shape[0]
+    first = scales[::FP8_BLOCK]
+    if not torch.equal(first.repeat_interleave(FP8_BLOCK, dim=0)[:rows], scales):
+        raise ValueError(
+            f"upstream's FP8 buffers hold one scale per {FP8_BLOCK} x {FP8_BLOCK} block, and these weights "
+            "have different scales within a block (quantized here per row): load them as FP8_PERCHANNEL or "
+            "from block-scaled checkpoints"
+        )
+    return first
+
+
+def _fp8_per_channel(scales: torch.Tensor, group: int) -> torch.Tensor:
+    if group != 0:
+        raise ValueError(
+            "upstream's FP8_PERCHANNEL buffers hold one scale per row, and these weights have one per "
+            f"{group} inputs (quantized here): load them with per-channel scales"
+        )
+    return scales
+
+
+@dataclass(frozen=True)
+class UpstreamLayout:
+    """How a method's write-back differs from the canonical layout."""
+
+    scales: ScaleConverter | None = None
+    #: XOR-ed into every value byte: 0x88 turns two's-complement nibbles into upstream's q + 8.
+    values_xor: int = 0
+    #: The rows of one part must fill whole blocks of this many (the block scales of FP8).
+    part_rows: int = 1
+
+
+UPSTREAM_LAYOUTS: dict[str, UpstreamLayout] = {
+    "MXFP4": UpstreamLayout(scales=_e8m0_to_bf16),  # codes as stored; scales bf16
+    "RAWINT4": UpstreamLayout(scales=_to_bf16, values_xor=0x88),  # nibbles q + 8; scales bf16
+    "FP8": UpstreamLayout(scales=_fp8_blocks, part_rows=FP8_BLOCK),  # codes as stored; fp32 block scales
+    "FP8_PERCHANNEL": UpstreamLayout(scales=_fp8_per_channel),  # codes as stored; fp32 per row
+}
+CANONICAL = UpstreamLayout()
+
+
+def layout_of(method: str) -> UpstreamLayout:
+    return UPSTREAM_LAYOUTS.get(method.upper(), CANONICAL)
+
+
+def _host_bytes(address: int, count: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(address))
+
+
+def write_expert(
+    fmt: WeightFormat,
+    layout: UpstreamLayout,
+    subpools: Sequence[Any],
+    hidden: int,
+    inter: int,
+    groups: dict[str, int],
+    expert: int,
+    w13: list[int],
+    s13: list[int],
+    w2: list[int],
+    s2: list[int],
+) -> None:
+    """Write physical slot ``expert`` into the tp = len(w13) parts' buffers (addresses checked by the
+    caller), on the engines' threads. ``subpools``: each with its ``engine`` and its slice
+    [start, stop) of the intermediate rows; ``groups``: each projection's scale group."""
+    tp, H = len(w13), hidden
+    part = inter // tp
+    if part % layout.part_rows:
+        raise ValueError(
+            f"gpu_tp_count={tp} leaves {part} intermediate rows per part; upstream's layout for this method "
+            f"needs a multiple of {layout.part_rows}"
+        )
+    gate_group, down_group = groups["gate"], groups["down"]
+    h_bytes, h_scale_bytes = fmt.canonical_bytes(H), fmt.canonical_scale_bytes(H, gate_group)
+    part_bytes, part_scale_bytes = fmt.canonical_bytes(part), fmt.canonical_scale_bytes(part, down_group)
+    convert = layout.scales is not None and bool(fmt.scale_groups)
+    for r in range(tp):
+        # Scales go to the caller directly, or through canonical scratch rows to be converted.
+        w13_scales = torch.empty(2 * part, h_scale_bytes, dtype=torch.uint8) if convert else None
+        w2_scales = torch.empty(H, part_scale_bytes, dtype=torch.uint8) if convert else None
+        s13_at = w13_scales.data_ptr() if convert else s13[r]
+        s2_at = w2_scales.data_ptr() if convert else s2[r]
+        first, last = r * part, (r + 1) * part
+        for sp in subpools:  # each holds rows [start, stop) of I
+            lo, hi = max(first, sp.start), min(last, sp.stop)
+            if lo >= hi:
+                continue
+            for name, row in (("gate", lo - first), ("up", part + lo - first)):
+                sp.engine.unpack(
+                    name, expert, lo - sp.start, hi - lo, 0, H,
+                    w13[r] + row * h_bytes, h_bytes, s13_at + row * h_scale_bytes, h_scale_bytes,
+                )  # fmt: skip
+            # A per-row down scale is the same in every part.
+            column = fmt.canonical_bytes(lo - first)
+            scale_column = fmt.canonical_scale_bytes(lo - first, down_group) if down_group else 0
+            sp.engine.unpack(
+                "down", expert, 0, H, lo - sp.start, hi - lo,
+                w2[r] + column, part_bytes, s2_at + scale_column, part_scale_bytes,
+            )  # fmt: skip
+        if layout.values_xor:
+            for address, count in ((w13[r], 2 * part * h_bytes), (w2[r], H * part_bytes)):
+                values = _host_bytes(address, count)
+                np.bitwise_xor(values, layout.values_xor, out=values)
+        if convert:
+            scale_dtype = fmt.canonical_scale_dtype
+            gate, up = w13_scales.view(scale_dtype).split(part)
+            for address, converted in (
+                (s13[r], torch.cat([layout.scales(gate, gate_group), layout.scales(up, gate_group)])),
+                (s2[r], layout.scales(w2_scales.view(scale_dtype), down_group)),
+            ):
+                data = converted.contiguous().view(torch.uint8)
+                ctypes.memmove(address, data.data_ptr(), data.numel())
