@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import textwrap
+import time
 
 import pytest
 import torch
@@ -138,6 +139,27 @@ def test_results_are_bit_equal_to_the_direct_path(fake, method, tokens):
     fake.drain(stream)
     assert torch.equal(seen, expected)
     assert torch.equal(moe.forward(x, ids, weights), expected)  # the direct path after the stream path
+    moe.close()
+
+
+def test_the_caller_never_waits_for_the_cpu_task(fake):
+    big = make_problem(E, K, 512, 512, 2000, seed=7)  # a task of a good fraction of a second on two cores
+    moe = moe_wrapper(E, K, 512, 512)
+    moe.load_weights_from_tensors(big.gate, big.up, big.down)
+    x, ids, weights = big.hidden, big.ids, big.weights
+    stream = fake.stream()
+    moe.submit_forward(x, ids, weights, stream)
+    out = moe.sync_forward(x, stream)
+    while not (fake.executed(stream) == 4 and fake.queued(stream) == 1):
+        time.sleep(0.001)  # until the host function that waits for the task has started
+    start = time.perf_counter()
+    assert moe._stream.layer.outstanding == 1  # answered while that host function waits
+    moe._stream.layer.rethrow_error()
+    assert fake.queued(stream) == 1, "the task ended before the queries: make it longer"
+    assert time.perf_counter() - start < 0.05
+    seen = fake.read(out, stream)
+    fake.drain(stream)
+    assert torch.equal(seen, moe.forward(x, ids, weights))
     moe.close()
 
 

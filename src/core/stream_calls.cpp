@@ -61,40 +61,36 @@ StreamLayer* StreamLayer::create(MoESubpools* layer, MoESubpools* deferred, cons
 void StreamLayer::after_fork_in_child() {
   // Only the forking thread exists here: a lock another thread held is never released.
   registry_mutex() = new std::mutex;
-  for (StreamLayer* layer : registry()) layer->mutex_ = new std::mutex;
-}
-
-StreamCall* StreamLayer::acquire_locked() {
-  if (!free_.empty()) {
-    StreamCall* call = free_.back();
-    free_.pop_back();
-    return call;
+  for (StreamLayer* layer : registry()) {
+    layer->engine_mutex_ = new std::mutex;
+    layer->state_mutex_ = new std::mutex;
   }
-  calls_.emplace_back();
-  return &calls_.back();
 }
 
-void StreamLayer::release_locked(StreamCall* call) {
+void StreamLayer::release(StreamCall* call) {
+  std::lock_guard<std::mutex> lock(*state_mutex_);
   if (!call->captured) free_.push_back(call);
 }
 
 StreamCall* StreamLayer::submit(uintptr_t stream, int tokens, const StreamInputs& inputs, const StreamSlot& slot,
                                 StreamCall* adds) {
   if (tokens < 1) throw std::invalid_argument("a call on a stream needs at least one token");
+  if (closed_.load()) throw std::runtime_error("this layer is closed");
   const CudaRuntime& cuda = CudaRuntime::get();
   const bool captured = cuda.capturing(as_stream(stream));
   StreamCall* call;
   {
-    std::lock_guard<std::mutex> lock(*mutex_);
-    if (closed_) throw std::runtime_error("this layer is closed");
-    call = acquire_locked();
+    std::lock_guard<std::mutex> lock(*state_mutex_);
+    if (free_.empty()) calls_.emplace_back(), free_.push_back(&calls_.back());
+    call = free_.back();
+    free_.pop_back();
   }
   call->owner = this;
   call->tokens = tokens;
   call->slot = slot;
   call->ids_int32 = inputs.ids_int32;
   call->has_deferred = inputs.deferred_ids != nullptr;
-  call->captured = captured;
+  call->captured = false;  // until the host function is queued: a failed call is reused
   call->adds = adds;
   const size_t routes = size_t(tokens) * top_k_;
   try {
@@ -103,16 +99,16 @@ StreamCall* StreamLayer::submit(uintptr_t stream, int tokens, const StreamInputs
     cuda.copy_async(slot.weights, inputs.weights, routes * sizeof(float), as_stream(stream));
     if (call->has_deferred)
       cuda.copy_async(slot.deferred_ids, inputs.deferred_ids, routes * sizeof(int64_t), as_stream(stream));
+    call->captured = captured;
     cuda.launch_host_func(as_stream(stream), &StreamLayer::on_submit, call);
   } catch (...) {
     // Copies already queued only write the slot, which the caller gives back.
-    std::lock_guard<std::mutex> lock(*mutex_);
     call->captured = false;
-    release_locked(call);
+    release(call);
     throw;
   }
   if (!captured) {
-    std::lock_guard<std::mutex> lock(*mutex_);
+    std::lock_guard<std::mutex> lock(*state_mutex_);
     ++queued_;
   }
   return call;
@@ -136,9 +132,9 @@ void StreamLayer::on_sync(void* data) {
 }
 
 void StreamLayer::start(StreamCall& call) {
-  std::lock_guard<std::mutex> lock(*mutex_);
+  std::lock_guard<std::mutex> lock(*engine_mutex_);
   call.deferred_done = false;
-  if (closed_) return;
+  if (closed_.load()) return;
   try {
     const int64_t* ids = static_cast<const int64_t*>(call.slot.ids);
     if (call.ids_int32) {
@@ -160,30 +156,29 @@ void StreamLayer::start(StreamCall& call) {
       deferred_running_ = &call;
     }
   } catch (...) {
-    keep_error_locked(std::current_exception());
+    keep_error(std::current_exception());
   }
 }
 
 void StreamLayer::finish(StreamCall& call) {
   bool ok = false, closed;
   {
-    std::lock_guard<std::mutex> lock(*mutex_);
-    closed = closed_;
-    if (!closed_ && running_ == &call) {
+    std::lock_guard<std::mutex> lock(*engine_mutex_);
+    closed = closed_.load();
+    if (!closed && running_ == &call) {
       running_ = nullptr;
       try {
         layer_->sync();
         ok = true;
       } catch (...) {
-        keep_error_locked(std::current_exception());
+        keep_error(std::current_exception());
       }
     }
   }
-  // Outside this layer's lock: the layer before takes its own (one lock at a time, no order to keep).
+  // Outside this layer's lock: the layer before takes its own (one engine lock at a time).
   if (call.adds && !call.adds->owner->collect_deferred(*call.adds, ok ? call.slot.out : nullptr) && ok) {
     ok = false;
-    std::lock_guard<std::mutex> lock(*mutex_);
-    keep_error_locked(std::make_exception_ptr(
+    keep_error(std::make_exception_ptr(
         std::runtime_error("the deferred experts this call adds (of the layer before) did not run; see that "
                            "layer's error")));
   }
@@ -191,9 +186,11 @@ void StreamLayer::finish(StreamCall& call) {
     const size_t values = size_t(call.tokens) * hidden_;
     for (size_t i = 0; i < values; ++i) call.slot.out[i] = 0x7FC0;
   }
-  std::lock_guard<std::mutex> lock(*mutex_);
-  if (!call.captured) ++completed_;
-  if (!call.has_deferred) release_locked(&call);  // else its consumer releases it (collect_deferred)
+  {
+    std::lock_guard<std::mutex> lock(*state_mutex_);
+    if (!call.captured) ++completed_;
+  }
+  if (!call.has_deferred) release(&call);  // else its consumer releases it (collect_deferred)
 }
 
 void StreamLayer::finish_deferred_locked() {
@@ -204,55 +201,59 @@ void StreamLayer::finish_deferred_locked() {
     deferred_->sync();
     call->deferred_done = true;
   } catch (...) {
-    keep_error_locked(std::current_exception());
+    keep_error(std::current_exception());
   }
 }
 
 bool StreamLayer::collect_deferred(StreamCall& call, bf16_t* out) {
-  std::lock_guard<std::mutex> lock(*mutex_);
-  if (!closed_ && deferred_running_ == &call) finish_deferred_locked();
-  const bool ok = call.deferred_done;
-  call.deferred_done = false;
+  bool ok;
+  {
+    std::lock_guard<std::mutex> lock(*engine_mutex_);
+    if (!closed_.load() && deferred_running_ == &call) finish_deferred_locked();
+    ok = call.deferred_done;
+    call.deferred_done = false;
+  }
   if (ok && out) {  // (out + deferred) in fp32, rounded once, as the CPU path's sync_forward
     const bf16_t* add = call.slot.deferred_out;
     const size_t values = size_t(call.tokens) * hidden_;
     for (size_t i = 0; i < values; ++i) out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(add[i]));
   }
-  release_locked(&call);
+  release(&call);
   return ok;
 }
 
-void StreamLayer::keep_error_locked(std::exception_ptr error) {
+void StreamLayer::keep_error(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(*state_mutex_);
   if (!error_) error_ = error;
 }
 
 void StreamLayer::rethrow_error() {
   std::exception_ptr error;
   {
-    std::lock_guard<std::mutex> lock(*mutex_);
+    std::lock_guard<std::mutex> lock(*state_mutex_);
     error.swap(error_);
   }
   if (error) std::rethrow_exception(error);
 }
 
 uint64_t StreamLayer::outstanding() {
-  std::lock_guard<std::mutex> lock(*mutex_);
+  std::lock_guard<std::mutex> lock(*state_mutex_);
   return queued_ - completed_;
 }
 
 uint64_t StreamLayer::queued() {
-  std::lock_guard<std::mutex> lock(*mutex_);
+  std::lock_guard<std::mutex> lock(*state_mutex_);
   return queued_;
 }
 
 uint64_t StreamLayer::completed() {
-  std::lock_guard<std::mutex> lock(*mutex_);
+  std::lock_guard<std::mutex> lock(*state_mutex_);
   return completed_;
 }
 
 void StreamLayer::close() {
-  std::lock_guard<std::mutex> lock(*mutex_);
-  if (closed_) return;
+  std::lock_guard<std::mutex> lock(*engine_mutex_);
+  if (closed_.load()) return;
   // The engines go with the wrapper: tasks they run finish first (a task lost at a fork throws).
   for (auto [engine, running] : {std::pair{layer_, &running_}, std::pair{deferred_, &deferred_running_}}) {
     if (*running) {
@@ -263,7 +264,7 @@ void StreamLayer::close() {
       }
     }
   }
-  closed_ = true;
+  closed_.store(true);
   layer_ = deferred_ = nullptr;
 }
 

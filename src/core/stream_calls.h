@@ -4,6 +4,7 @@
 // CUDA runtime from a host function (CUDA forbids it), and nothing here needs Python's GIL.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -95,20 +96,24 @@ class StreamLayer {
   // Waits for `call`'s deferred experts and adds their output to out (null: only wait); false when
   // they did not run. Then the call is free for reuse.
   bool collect_deferred(StreamCall& call, bf16_t* out);
-  void keep_error_locked(std::exception_ptr error);
-  StreamCall* acquire_locked();
-  void release_locked(StreamCall* call);
+  void keep_error(std::exception_ptr error);
+  void release(StreamCall* call);
   static void after_fork_in_child();
 
-  // Replaced (the old one leaked) in a fork() child, where a thread that no longer exists may hold it.
-  std::mutex* mutex_ = new std::mutex;
+  // Two locks, so that the caller's thread never waits for a CPU task: engine_mutex_ is held by
+  // the host functions while they use the engines (waiting for a task included) and by close();
+  // state_mutex_ guards the records, the counts and the error, for everyone, briefly. Order:
+  // engine_mutex_ before state_mutex_. Both are replaced (the old ones leaked) in a fork() child,
+  // where a thread that no longer exists may hold them.
+  std::mutex* engine_mutex_ = new std::mutex;
+  std::mutex* state_mutex_ = new std::mutex;
   MoESubpools* layer_;
   MoESubpools* deferred_;
   const uint8_t* gpu_mask_;
   const int hidden_, top_k_;
-  bool closed_ = false;
-  StreamCall* running_ = nullptr;           // the call whose CPU task is in flight
-  StreamCall* deferred_running_ = nullptr;  // the call whose deferred task is in flight
+  std::atomic<bool> closed_{false};
+  StreamCall* running_ = nullptr;           // the call whose CPU task is in flight (engine_mutex_)
+  StreamCall* deferred_running_ = nullptr;  // the call whose deferred task is in flight (engine_mutex_)
   std::deque<StreamCall> calls_;            // every record (stable addresses)
   std::vector<StreamCall*> free_;
   uint64_t queued_ = 0, completed_ = 0;
