@@ -26,21 +26,23 @@ void bind_stream_calls(nb::module_& m) {
   nb::class_<kt::StreamLayer>(m, "StreamLayer")
       .def_static(
           "create",
-          [](kt::MoESubpools* layer, kt::MoESubpools* deferred, uintptr_t gpu_mask, int hidden, int top_k) {
-            return kt::StreamLayer::create(layer, deferred, address<const uint8_t>(gpu_mask), hidden, top_k);
+          [](kt::MoESubpools* layer, kt::MoESubpools* deferred, int num_experts, int hidden, int top_k) {
+            return kt::StreamLayer::create(layer, deferred, num_experts, hidden, top_k);
           },
-          nb::arg("layer"), nb::arg("deferred").none(), nb::arg("gpu_mask"), nb::arg("hidden"), nb::arg("top_k"),
+          nb::arg("layer"), nb::arg("deferred").none(), nb::arg("num_experts"), nb::arg("hidden"), nb::arg("top_k"),
           nb::rv_policy::reference,
           "The stream path of a layer. Never freed (host functions may run after the layer is gone): close() it.")
       .def(
           "submit",
           [](kt::StreamLayer& self, uintptr_t stream, int tokens, uintptr_t x, uintptr_t ids, bool ids_int32,
              uintptr_t weights, uintptr_t deferred_ids, uintptr_t slot_x, uintptr_t slot_ids, uintptr_t slot_weights,
-             uintptr_t slot_deferred_ids, uintptr_t slot_out, uintptr_t slot_deferred_out, uintptr_t adds) {
+             uintptr_t slot_deferred_ids, uintptr_t slot_out, uintptr_t slot_deferred_out, uintptr_t adds,
+             uintptr_t gpu_mask) {
             kt::StreamInputs inputs;
             inputs.x = address<const void>(x), inputs.ids = address<const void>(ids);
             inputs.weights = address<const void>(weights), inputs.deferred_ids = address<const void>(deferred_ids);
             inputs.ids_int32 = ids_int32;
+            inputs.gpu_mask = address<const uint8_t>(gpu_mask);
             kt::StreamSlot slot;
             slot.x = address<void>(slot_x), slot.ids = address<void>(slot_ids);
             slot.weights = address<void>(slot_weights), slot.deferred_ids = address<void>(slot_deferred_ids);
@@ -48,7 +50,8 @@ void bind_stream_calls(nb::module_& m) {
             return reinterpret_cast<uintptr_t>(self.submit(stream, tokens, inputs, slot, address<kt::StreamCall>(adds)));
           },
           nb::call_guard<nb::gil_scoped_release>(),
-          "Queue the input copies and the host function that starts the task; returns the call's handle.")
+          "Queue the input copies and the host function that starts the task; returns the call's handle. "
+          "gpu_mask: the address of num_experts bools, read now (0: keep the engines' set).")
       .def(
           "sync",
           [](kt::StreamLayer& self, uintptr_t call, uintptr_t stream, uintptr_t device_out) {

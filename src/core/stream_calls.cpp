@@ -45,14 +45,14 @@ bf16_t float_to_bf16(float value) {
 
 }  // namespace
 
-StreamLayer::StreamLayer(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden, int top_k)
-    : layer_(layer), deferred_(deferred), gpu_mask_(gpu_mask), hidden_(hidden), top_k_(top_k) {}
+StreamLayer::StreamLayer(MoESubpools* layer, MoESubpools* deferred, int num_experts, int hidden, int top_k)
+    : layer_(layer), deferred_(deferred), num_experts_(num_experts), hidden_(hidden), top_k_(top_k) {}
 
-StreamLayer* StreamLayer::create(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden,
+StreamLayer* StreamLayer::create(MoESubpools* layer, MoESubpools* deferred, int num_experts, int hidden,
                                  int top_k) {
   static const int fork_handler = pthread_atfork(nullptr, nullptr, &StreamLayer::after_fork_in_child);
   (void)fork_handler;
-  StreamLayer* created = new StreamLayer(layer, deferred, gpu_mask, hidden, top_k);
+  StreamLayer* created = new StreamLayer(layer, deferred, num_experts, hidden, top_k);
   std::lock_guard<std::mutex> lock(*registry_mutex());
   registry().push_back(created);
   return created;
@@ -92,6 +92,11 @@ StreamCall* StreamLayer::submit(uintptr_t stream, int tokens, const StreamInputs
   call->has_deferred = inputs.deferred_ids != nullptr;
   call->captured = false;  // until the host function is queued: a failed call is reused
   call->adds = adds;
+  // The mask as it is now: the caller may change or replace its storage before the stream gets here.
+  if (inputs.gpu_mask)
+    call->gpu_mask.assign(inputs.gpu_mask, inputs.gpu_mask + num_experts_);
+  else
+    call->gpu_mask.clear();
   const size_t routes = size_t(tokens) * top_k_;
   try {
     cuda.copy_async(slot.x, inputs.x, size_t(tokens) * hidden_ * sizeof(bf16_t), as_stream(stream));
@@ -146,7 +151,7 @@ void StreamLayer::start(StreamCall& call) {
     }
     const bf16_t* x = static_cast<const bf16_t*>(call.slot.x);
     const float* weights = static_cast<const float*>(call.slot.weights);
-    if (gpu_mask_) layer_->set_gpu_experts(gpu_mask_);
+    if (!call.gpu_mask.empty()) layer_->set_gpu_experts(call.gpu_mask.data());
     layer_->submit(x, call.tokens, ids, weights, call.slot.out);
     running_ = &call;
     if (call.has_deferred) {  // queued behind the call above on the same threads, as on the CPU path

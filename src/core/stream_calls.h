@@ -38,6 +38,7 @@ struct StreamInputs {
   const void* weights = nullptr;
   const void* deferred_ids = nullptr;
   bool ids_int32 = false;
+  const uint8_t* gpu_mask = nullptr;  // num_experts bytes, copied at submit (null: keep the set)
 };
 
 class StreamLayer;
@@ -54,6 +55,7 @@ struct StreamCall {
   StreamCall* adds = nullptr;     // the call (of the layer before) whose deferred output this call adds
   bool deferred_done = false;     // its deferred task finished (collected early when a call of the same layer starts)
   std::vector<int64_t> wide_ids;  // int32 ids widened for the engine
+  std::vector<uint8_t> gpu_mask;  // the GPU experts as the caller's mask held them at submit (or empty)
 };
 
 // The stream path of one layer (a KTMoEWrapper): its engines and the calls queued on streams.
@@ -61,9 +63,8 @@ class StreamLayer {
  public:
   // A host function may run after its wrapper is closed, at any later time (a held stream, a CUDA
   // graph replayed): a StreamLayer is never destroyed, and after close() its host functions only
-  // do their bookkeeping. gpu_mask: num_experts bytes read at each call's start (or null).
-  static StreamLayer* create(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden,
-                             int top_k);
+  // do their bookkeeping.
+  static StreamLayer* create(MoESubpools* layer, MoESubpools* deferred, int num_experts, int hidden, int top_k);
 
   // Queues on `stream` the copies of the inputs into `slot` and the host function that starts the CPU
   // task (and the deferred experts' task); `adds`: a call of the layer before whose deferred output
@@ -86,7 +87,7 @@ class StreamLayer {
   void close();
 
  private:
-  StreamLayer(MoESubpools* layer, MoESubpools* deferred, const uint8_t* gpu_mask, int hidden, int top_k);
+  StreamLayer(MoESubpools* layer, MoESubpools* deferred, int num_experts, int hidden, int top_k);
   static void on_submit(void* call);
   static void on_sync(void* call);
   void start(StreamCall& call);
@@ -109,8 +110,7 @@ class StreamLayer {
   std::mutex* state_mutex_ = new std::mutex;
   MoESubpools* layer_;
   MoESubpools* deferred_;
-  const uint8_t* gpu_mask_;
-  const int hidden_, top_k_;
+  const int num_experts_, hidden_, top_k_;
   std::atomic<bool> closed_{false};
   StreamCall* running_ = nullptr;           // the call whose CPU task is in flight (engine_mutex_)
   StreamCall* deferred_running_ = nullptr;  // the call whose deferred task is in flight (engine_mutex_)

@@ -54,8 +54,30 @@ def _optional_non_negative(name: str, value: object) -> float | None:
     return float(value)
 
 
+def _require_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError naming the first id outside [-1, num_experts), as the engine words it."""
+    bad = (ids < -1) | (ids >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"topk_ids[{t}, {k}] = {int(ids[t, k])} is outside [-1, {num_experts})")
+
+
+def _lowest_mappable_address() -> int:
+    """No buffer a caller hands over lies below this: /proc/sys/vm/mmap_min_addr, and at least
+    64 KiB (Linux's usual setting; a process's own memory starts far above it)."""
+    try:
+        with open("/proc/sys/vm/mmap_min_addr") as f:
+            return max(65536, int(f.read()))
+    except (OSError, ValueError):
+        return 65536
+
+
+_MIN_ADDRESS = _lowest_mappable_address()
+
+
 def _require_addresses(name: str, value: object, count: int) -> list[int]:
-    """``count`` non-null memory addresses (a caller's data_ptr()s) given as a list or tuple."""
+    """``count`` memory addresses (a caller's data_ptr()s) given as a list or tuple: none below the
+    lowest address Linux maps (an int passed where a data_ptr() belongs), none past 2^64."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a list of data_ptr() addresses, got {type(value).__name__}")
     if len(value) != count:
@@ -63,8 +85,8 @@ def _require_addresses(name: str, value: object, count: int) -> list[int]:
     for index, address in enumerate(value):
         if isinstance(address, bool) or not isinstance(address, int):
             raise TypeError(f"{name}[{index}] must be an int address, got {type(address).__name__}")
-        if not 0 < address < 2**64:
-            raise ValueError(f"{name}[{index}] = {address} is not a valid address")
+        if not _MIN_ADDRESS <= address < 2**64:
+            raise ValueError(f"{name}[{index}] = {address} is not a valid address (a tensor's data_ptr())")
     return list(value)
 
 
@@ -185,6 +207,7 @@ class KTMoEWrapper:
         # The engines read this tensor's memory at every submit: it is replaced only in place.
         self._gpu_experts_mask = self._initial_gpu_mask(gpu_experts_mask, num_gpu_experts)
         self._gpu_mask_address = self._gpu_experts_mask.data_ptr()
+        self._mask_shape = (num_experts,)
         self._layer, self._pools, self._subpools = plan_subpools(
             num_experts=num_experts, top_k=num_experts_per_tok, hidden=hidden_size,
             intermediate=moe_intermediate_size, weight_format=self.weight_format, threads=cpuinfer_threads,
@@ -197,6 +220,7 @@ class KTMoEWrapper:
         # output (guarded by _deferred_lock) goes into the next call's output (see submit_forward).
         self._deferred_layer = self._layer.twin() if deferred else None
         self._deferred_out: torch.Tensor | None = None  # the deferred call in flight, if any
+        self._deferred_closed_out: torch.Tensor | None = None  # its output, kept by close() for its taker
         self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
         # The stream path, made at the first call with a CUDA stream, and its call whose deferred
         # experts the next call adds (guarded by _deferred_lock).
@@ -278,12 +302,40 @@ class KTMoEWrapper:
 
     @gpu_experts_mask.setter
     def gpu_experts_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> None:
-        self._gpu_experts_mask.copy_(self._check_gpu_mask(mask))
+        checked, current = self._check_gpu_mask(mask), self._gpu_experts_mask
+        # In place (a reference the caller kept stays live), unless the caller broke its storage.
+        if current.is_cpu and current.dtype == torch.bool and current.shape == self._mask_shape:
+            current.copy_(checked)
+        else:
+            current.data = checked
+        self._gpu_mask_address = current.data_ptr()
 
     @property
     def num_gpu_experts(self) -> int:
         """How many experts gpu_experts_mask marks now."""
         return int(self._gpu_experts_mask.sum())
+
+    def _follow_gpu_mask(self) -> None:
+        """The engines read the mask's memory at submit: where the caller gave the tensor new storage
+        (``mask.data = m``, ``mask.set_(m)``, ``share_memory_()``), read the new storage, or refuse a
+        mask that is no longer a CPU bool [num_experts] tensor. Never the old address."""
+        mask = self._gpu_experts_mask
+        if (
+            mask.data_ptr() == self._gpu_mask_address
+            and mask.dtype == torch.bool
+            and mask.shape == self._mask_shape
+        ):
+            return
+        self._gpu_mask_address = 0  # until it checks out
+        if not (mask.is_cpu and mask.layout == torch.strided and mask.is_contiguous()):
+            raise ValueError(
+                f"gpu_experts_mask must stay a dense contiguous CPU tensor, got device {mask.device}, "
+                f"layout {mask.layout}: assign a new mask with wrapper.gpu_experts_mask = m"
+            )
+        if mask.dtype != torch.bool:
+            raise TypeError(f"gpu_experts_mask must stay a bool tensor, got {mask.dtype}")
+        require_shape("gpu_experts_mask", mask, self._mask_shape, "[num_experts]")
+        self._gpu_mask_address = mask.data_ptr()
 
     def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
         if mask is None:
@@ -504,6 +556,7 @@ class KTMoEWrapper:
                     if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
+            self._follow_gpu_mask()
             if self._unpacked is not None:
                 self._load_experts_the_mask_hands_back()
             if stream is not None:
@@ -519,6 +572,14 @@ class KTMoEWrapper:
             self._spare_out = None
             deferred_ids = None
             if self._deferred_layer is not None and tokens > 0:
+                # Refused before anything starts: a call that fails half-way (its deferred part) would
+                # leave the engines writing memory nobody holds.
+                if self._deferred_out is not None and KTMoEWrapper._pending() is not self:
+                    raise RuntimeError(
+                        f"layer {self.layer_idx}'s deferred experts of its last call are being added by a "
+                        "later layer's call that has not been synced: sync it before calling this layer again"
+                    )
+                _require_expert_ids(ids, self.num_experts)
                 ids, deferred_ids = self.select_deferred_experts(
                     ids, weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
                 )
@@ -545,7 +606,7 @@ class KTMoEWrapper:
                         x.data_ptr(), x.shape[0], deferred_ids.data_ptr(), weights.data_ptr(),
                         self._deferred_out.data_ptr(),
                     )  # fmt: skip
-                    KTMoEWrapper._deferred_pending = self
+                    KTMoEWrapper._set_pending(self)
             self._in_flight = out  # the engines write it until sync
 
     def _submit_on_stream(
@@ -571,22 +632,29 @@ class KTMoEWrapper:
             return
         if self._stream is None:
             self._stream = stream_path.StreamForward(
-                self._layer, self._deferred_layer, self._gpu_mask_address, self.hidden_size,
+                self._layer, self._deferred_layer, self.num_experts, self.hidden_size,
                 self.num_experts_per_tok, self.layer_idx % 2,
             )  # fmt: skip
         pending = self._take_pending_deferred(x.shape[0], on_stream=True)
         adds = None if pending is None else pending._stream_deferred
         call = self._stream.submit(
-            stream, x, ids, weights, deferred_ids, adds, KTMoEWrapper._capture_batch_sizes
+            stream,
+            x,
+            ids,
+            weights,
+            deferred_ids,
+            adds,
+            KTMoEWrapper._capture_batch_sizes,
+            self._gpu_mask_address,
         )
         with KTMoEWrapper._deferred_lock:  # taken once this call is on its way, as on the direct path
             if pending is not None:
                 pending._stream_deferred = None
-                if KTMoEWrapper._deferred_pending is pending:
-                    KTMoEWrapper._deferred_pending = None
+                if KTMoEWrapper._pending() is pending:
+                    KTMoEWrapper._set_pending(None)
             if deferred_ids is not None:
                 self._stream_deferred = call
-                KTMoEWrapper._deferred_pending = self
+                KTMoEWrapper._set_pending(self)
         self._in_flight = call
 
     def sync_forward(
@@ -628,9 +696,20 @@ class KTMoEWrapper:
             return out
 
     # ---- deferred experts (max_deferred_experts_per_token > 0) --------------------------------------
+    # Guards every wrapper's _deferred_out / _deferred_closed_out / _stream_deferred.
     _deferred_lock: ClassVar[threading.Lock] = threading.Lock()
-    #: The wrapper whose last call's deferred experts the next call in the process adds.
-    _deferred_pending: ClassVar[KTMoEWrapper | None] = None
+    # Per thread (a stack of layers is driven by one thread; two stacks on two threads never see
+    # each other's work): .pending, the wrapper whose last call's deferred experts the thread's next
+    # call adds.
+    _chains: ClassVar[threading.local] = threading.local()
+
+    @classmethod
+    def _pending(cls) -> KTMoEWrapper | None:
+        return getattr(cls._chains, "pending", None)
+
+    @classmethod
+    def _set_pending(cls, wrapper: KTMoEWrapper | None) -> None:
+        cls._chains.pending = wrapper
 
     def select_deferred_experts(
         self, expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int
@@ -639,16 +718,18 @@ class KTMoEWrapper:
         ``protected_k`` highest-scored ones runs now for every token routed to it; the others are
         deferred. Entries not in a split are -1 there (as are -1 entries in both)."""
         protected_k = max(0, min(int(protected_k), expert_ids.shape[-1]))
-        valid = expert_ids >= 0
-        # The last slot soaks up -1 ids, and ids out of range (the engine reports those): on a CUDA
-        # device an index out of range is a device-side assert, not an error.
+        valid = expert_ids != -1
+        # The last slot soaks up ids out of range, which stay in a split for the engine to report (on
+        # a CUDA device an index out of range is a device-side assert, not an error).
         E = self.num_experts
+        in_range = (expert_ids >= 0) & (expert_ids < E)
         protected = torch.zeros(E + 1, dtype=torch.bool, device=expert_ids.device)
+        protected[E] = True
         if protected_k:
             top = torch.topk(expert_scores.masked_fill(~valid, float("-inf")), protected_k, dim=-1).indices
             chosen = torch.gather(expert_ids, -1, top)
             protected[torch.where((chosen >= 0) & (chosen < E), chosen, E).reshape(-1)] = True
-        now = protected[torch.where(valid & (expert_ids < E), expert_ids, E)] & valid
+        now = protected[torch.where(in_range, expert_ids, E)] & valid
         none = torch.full_like(expert_ids, -1)
         return torch.where(now, expert_ids, none), torch.where(valid & ~now, expert_ids, none)
 
@@ -658,7 +739,7 @@ class KTMoEWrapper:
         """What this call adds to its output: the deferred experts of the process's last call (on a
         stream: the wrapper whose _stream_deferred call it adds, left pending for the caller to take)."""
         with KTMoEWrapper._deferred_lock:
-            pending = KTMoEWrapper._deferred_pending
+            pending = KTMoEWrapper._pending()
             if pending is None:
                 return None
             if on_stream != (pending._stream_deferred is not None):
@@ -683,12 +764,13 @@ class KTMoEWrapper:
                     f"{self.layer_idx} starts a new pass: add KTMoEWrapper.flush_deferred() to the last "
                     "layer's output, or give the last layer max_deferred_experts_per_token=0"
                 )
-            if pending._deferred_out.shape[0] != tokens:
+            pending_tokens = pending._deferred_tokens()
+            if pending_tokens != tokens:
                 raise RuntimeError(
-                    f"layer {pending.layer_idx}'s deferred experts are for {pending._deferred_out.shape[0]} "
+                    f"layer {pending.layer_idx}'s deferred experts are for {pending_tokens} "
                     f"tokens, this call has {tokens}: flush them first (KTMoEWrapper.flush_deferred())"
                 )
-            KTMoEWrapper._deferred_pending = None
+            KTMoEWrapper._set_pending(None)
             # This layer's own deferred call is about to be replaced: collect it now.
             return pending._collect_deferred_locked() if pending is self else pending
 
@@ -696,18 +778,38 @@ class KTMoEWrapper:
         with KTMoEWrapper._deferred_lock:
             return self._collect_deferred_locked()
 
+    def _deferred_tokens(self) -> int:
+        out = self._deferred_out if self._deferred_out is not None else self._deferred_closed_out
+        return out.shape[0]
+
     def _collect_deferred_locked(self) -> torch.Tensor:
+        """Wait for this layer's deferred call and return its output (kept by close() if the layer
+        was closed meanwhile)."""
         out, self._deferred_out = self._deferred_out, None
+        if out is None:
+            out, self._deferred_closed_out = self._deferred_closed_out, None
+            return out
         self._deferred_layer.sync()
         return out
 
     @classmethod
     def flush_deferred(cls) -> torch.Tensor | None:
-        """Wait for the deferred experts no later call has taken yet and return their [T, H] bf16
-        output (None if there are none): after the last layer, add it to that layer's output."""
+        """Wait for the deferred experts no later call of this thread's stack has taken yet and
+        return their [T, H] bf16 output (None if there are none): after the last layer, add it to
+        that layer's output. (On a CUDA stream there is nothing to flush: the last layer must not
+        defer; such experts are dropped here, with a RuntimeError saying so.)"""
         with cls._deferred_lock:
-            pending, cls._deferred_pending = cls._deferred_pending, None
-            return None if pending is None else pending._collect_deferred_locked()
+            pending = cls._pending()
+            cls._set_pending(None)
+            if pending is None:
+                return None
+            if pending._stream_deferred is not None:
+                pending._stream_deferred = None
+                raise RuntimeError(
+                    f"layer {pending.layer_idx}'s deferred experts were queued on a CUDA stream and are "
+                    "dropped: give the last layer of a stack on a stream max_deferred_experts_per_token=0"
+                )
+            return pending._collect_deferred_locked()
 
     # ---- writing an expert back (SGLang uploads CPU experts to the GPU for long prefills) -------
     def submit_write_weight_scale_to_buffer(
@@ -795,10 +897,10 @@ class KTMoEWrapper:
                     self._layer.sync()
                 with KTMoEWrapper._deferred_lock:
                     self._stream_deferred = None
-                    if KTMoEWrapper._deferred_pending is self:  # nobody will add them now
-                        KTMoEWrapper._deferred_pending = None
-                    if self._deferred_out is not None:
-                        self._collect_deferred_locked()
+                    if KTMoEWrapper._pending() is self:  # nobody will add them now
+                        KTMoEWrapper._set_pending(None)
+                    if self._deferred_out is not None:  # a later call took them: it gets them still
+                        self._deferred_closed_out = self._collect_deferred_locked()
             except RuntimeError:
                 pass  # a forward lost to fork(): nothing of it runs any more
             finally:

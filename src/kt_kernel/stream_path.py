@@ -183,9 +183,9 @@ class StreamCall:
 class StreamForward:
     """One layer's stream path: its C++ StreamLayer and the host tensors its queued copies read."""
 
-    def __init__(self, layer: Any, deferred_layer: Any, gpu_mask_address: int, hidden: int, top_k: int,
+    def __init__(self, layer: Any, deferred_layer: Any, num_experts: int, hidden: int, top_k: int,
                  parity: int) -> None:  # fmt: skip
-        self.layer = ext.StreamLayer.create(layer, deferred_layer, gpu_mask_address, hidden, top_k)
+        self.layer = ext.StreamLayer.create(layer, deferred_layer, num_experts, hidden, top_k)
         self.hidden, self.top_k, self.parity = hidden, top_k, parity
         self._prepared: set[torch.device] = set()
         # Host inputs a queued copy still reads, with the queued() count that makes them free.
@@ -193,9 +193,9 @@ class StreamForward:
 
     def submit(self, stream: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                deferred_ids: torch.Tensor | None, adds: StreamCall | None,
-               capture_sizes: list[int]) -> StreamCall:  # fmt: skip
+               capture_sizes: list[int], gpu_mask_address: int) -> StreamCall:  # fmt: skip
         """Queue the call (inputs checked, contiguous, on one device: x bf16, ids int64 or int32,
-        weights float32, deferred_ids int64)."""
+        weights float32, deferred_ids int64); the GPU-expert mask is read now, from its address."""
         tokens, device = x.shape[0], x.device
         if device not in self._prepared:
             BUFFERS.prepare(capture_sizes, self.hidden, self.top_k, device, deferred_ids is not None)
@@ -208,7 +208,7 @@ class StreamForward:
                 deferred_address, slot.x.data_ptr(), slot.ids.data_ptr(), slot.weights.data_ptr(),
                 0 if slot.deferred_ids is None else slot.deferred_ids.data_ptr(), slot.out.data_ptr(),
                 0 if slot.deferred_out is None else slot.deferred_out.data_ptr(),
-                0 if adds is None else adds.handle,
+                0 if adds is None else adds.handle, gpu_mask_address,
             )  # fmt: skip
         except BaseException:
             BUFFERS.retire(slot)  # copies queued before the failure may still write it

@@ -1,0 +1,133 @@
+"""Deferred experts and live masks under misuse: no crash, no silent wrong result, nothing lost, and
+every wrapper usable afterwards. (CI's sanitizer pass runs these under AddressSanitizer.)"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_deferred import LAYERS, E, H, I, K, T, assert_same_total, run_pass, stack
+
+from kt_kernel import KTMoEWrapper
+
+from moe_reference import make_problem, moe_wrapper
+
+
+@pytest.fixture(autouse=True)
+def no_pending_deferred():
+    yield
+    KTMoEWrapper.flush_deferred()
+
+
+def test_two_stacks_on_two_threads_never_see_each_others_deferred_experts():
+    plain, problems = stack([0] * LAYERS)
+    reference = run_pass(plain, problems)
+    stacks = [stack([2, 1, 2, 0])[0] for _ in range(2)]
+    failures: list[BaseException] = []
+
+    def drive(layers) -> None:
+        try:
+            for _ in range(40):
+                assert_same_total(run_pass(layers, problems), reference)
+                assert KTMoEWrapper.flush_deferred() is None
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=drive, args=(layers,)) for layers in stacks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[0]
+
+
+def layer_1_takes_layer_0s_deferred_experts():
+    """A deferring stack, its reference outputs, and layer 0's output with layer 1 submitted (it
+    takes layer 0's deferred experts) but not synced."""
+    plain, problems = stack([0] * LAYERS)
+    reference = run_pass(plain, problems)
+    layers, _ = stack([2, 2, 2, 0])
+    p0, p1 = problems[0], problems[1]
+    layers[0].submit_forward(p0.hidden, p0.ids, p0.weights)
+    out0 = layers[0].sync_forward()
+    layers[1].submit_forward(p1.hidden, p1.ids, p1.weights)
+    return layers, problems, reference, out0
+
+
+def test_resubmitting_a_layer_before_the_layer_that_adds_its_deferred_experts_syncs_is_refused():
+    layers, problems, reference, out0 = layer_1_takes_layer_0s_deferred_experts()
+    p0 = problems[0]
+    with pytest.raises(RuntimeError, match="being added by a later layer's call"):
+        layers[0].submit_forward(p0.hidden, p0.ids, p0.weights)
+    outputs = [out0, layers[1].sync_forward()] + run_pass(layers[2:], problems[2:])
+    assert_same_total(outputs, reference)  # nothing lost
+    assert_same_total(run_pass(layers, problems), reference)  # and every layer goes on
+
+
+def test_a_layer_closed_after_a_later_call_took_its_deferred_experts_still_gives_them():
+    layers, problems, reference, out0 = layer_1_takes_layer_0s_deferred_experts()
+    layers[0].close()
+    outputs = [out0, layers[1].sync_forward()] + run_pass(layers[2:], problems[2:])
+    assert_same_total(outputs, reference)
+
+
+@pytest.mark.parametrize("bad", [-2, E, 2**40])
+def test_a_bad_expert_id_with_deferral_is_refused_before_anything_runs(bad):
+    plain, problems = stack([0] * LAYERS)
+    reference = run_pass(plain, problems)
+    layers, _ = stack([2, 2, 2, 0])
+    outputs = run_pass(layers[:1], problems[:1])  # layer 0's deferred experts pending
+    p1 = problems[1]
+    ids = p1.ids.clone()
+    ids[1, K - 1] = bad  # the lowest-scored slot: it would be deferred
+    with pytest.raises(ValueError, match=rf"topk_ids\[1, {K - 1}\] = {bad} is outside \[-1, {E}\)"):
+        layers[1].submit_forward(p1.hidden, ids, p1.weights)
+    outputs += run_pass(layers[1:], problems[1:])  # layer 0's deferred experts are still added
+    assert_same_total(outputs, reference)
+
+
+def test_replacing_the_masks_storage_takes_effect_or_is_refused():
+    p = make_problem(E, K, H, I, T, seed=3)
+    moe = moe_wrapper(E, K, H, I)
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
+    call = (p.hidden, p.ids, p.weights)
+    used = p.ids[0, 0].item()
+    masked = torch.zeros(E, dtype=torch.bool)
+    masked[used] = True
+    reference = moe_wrapper(E, K, H, I, gpu_experts_mask=masked)
+    reference.load_weights_from_tensors(p.gate, p.up, p.down)
+    expected, unmasked = reference.forward(*call), moe.forward(*call)
+    assert not torch.equal(expected, unmasked)
+    for replace in (
+        lambda m: setattr(m, "data", masked.clone()),
+        lambda m: m.set_(masked.clone()),
+        lambda m: (m.copy_(masked), m.share_memory_()),
+    ):
+        moe.gpu_experts_mask.zero_()
+        assert torch.equal(moe.forward(*call), unmasked)
+        replace(moe.gpu_experts_mask)
+        assert torch.equal(moe.forward(*call), expected)
+    moe.gpu_experts_mask.data = torch.zeros(E, dtype=torch.float32)
+    with pytest.raises(TypeError, match="gpu_experts_mask must stay a bool tensor"):
+        moe.forward(*call)
+    moe.gpu_experts_mask.data = torch.zeros(E + 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="gpu_experts_mask must have shape"):
+        moe.forward(*call)
+    moe.gpu_experts_mask = masked  # assigning a mask is always fine
+    moe.gpu_experts_mask.data = masked.clone()
+    assert torch.equal(moe.forward(*call), expected)
+
+
+@pytest.mark.parametrize("address", [1, 64, 4096])
+def test_write_back_refuses_addresses_below_the_lowest_mappable_page(address):
+    p = make_problem(E, K, H, I, 1)
+    moe = moe_wrapper(E, K, H, I)
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
+    buffer = torch.empty(2 * I * H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="is not a valid address"):
+        moe.submit_write_weight_scale_to_buffer(1, 0, [address], None, [buffer.data_ptr()], None)
+    with pytest.raises(ValueError, match="gpu_tp_count = 1 addresses"):
+        moe.submit_write_weight_scale_to_buffer(
+            1, 0, [buffer.data_ptr()] * 2, None, [buffer.data_ptr()], None
+        )
