@@ -220,3 +220,26 @@ def test_zero_points_through_subpools_and_bad_zero_points(tmp_path):
             up_scale=torch.ones(E, I), down_scale=torch.ones(E, H),
             gate_zeros=torch.zeros(E, I, dtype=torch.int8),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda z: torch.cat([z, z]),  # twice the rows
+        lambda z: z.T.contiguous(),  # transposed
+        lambda z: z.view(torch.float32),  # F32 bits
+    ],
+    ids=["twice-the-rows", "transposed", "f32"],
+)
+def test_gptq_zero_points_of_the_wrong_shape_or_dtype_are_refused(tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    write_layer(tmp_path / "model", "gptq", 32, asymmetric=True)
+    file = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(str(file))
+    key = "model.layers.0.mlp.experts.1.up_proj.qzeros"
+    tensors[key] = bad(tensors[key])
+    save_file(tensors, str(file))
+    moe = moe_wrapper(E, K, H, I, method="GPTQ_INT4", weight_path=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match=rf"{key}: .* expected int32 \[8, 16\]"):
+        moe.load_weights()

@@ -112,6 +112,17 @@ def test_errors_name_the_layer_s_expert_not_the_part_s(tmp_path, monkeypatch):
         moe.load_weights()
 
 
+def test_an_expert_stored_in_another_quantized_type_is_refused(tmp_path):
+    tensors, _ = expert_tensors("model.", 0, per_channel=False, seed=4)
+    key = "model.layers.0.mlp.experts.2.gate_proj.weight"
+    tensors[key] = torch.randn(384, H).to(torch.bfloat16)  # one expert in BF16 among FP8 ones
+    del tensors[key + "_scale_inv"]
+    write_model_dir(tmp_path / "model", tensors)
+    moe = moe_wrapper(E, K, H, 384, method="FP8", weight_path=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match=rf"{key}' is stored as BF16, expert 0's gate as F8_E4M3"):
+        moe.load_weights()
+
+
 MEASURE = """
 import sys, torch
 from kt_kernel import KTMoEWrapper

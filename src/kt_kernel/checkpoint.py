@@ -566,7 +566,24 @@ def gptq_to_int4(
     [N, K/G] int8, all 0 when symmetric): qweight int32 [K/8, N] and qzeros int32 [K/G, N/8] pack
     eight 4-bit values along K (qweight) or N (qzeros), low bits first; w[n, k] = (q - z) * s with
     z = the stored zero + zero_offset, i.e. INT4 value q - 8 and zero point z - 8.
-    NotImplementedError for an act-order g_idx (desc_act=True), which reorders the groups."""
+    NotImplementedError for an act-order g_idx (desc_act=True), which reorders the groups;
+    CheckpointError for companions of other dtypes or shapes."""
+    n, k = qweight.shape[1], 8 * qweight.shape[0]
+    groups = scales.shape[0] if scales.dim() == 2 else 0
+    expected = {
+        "qweight": (qweight, (torch.int32,), (k // 8, n)),
+        "qzeros": (qzeros, (torch.int32,), (groups, -(-n // 8))),
+        "scales": (scales, (torch.float16, torch.bfloat16, torch.float32), (groups, n)),
+    }
+    if g_idx is not None:
+        expected["g_idx"] = (g_idx, (torch.int32, torch.int64), (k,))
+    for kind, (tensor, dtypes, shape) in expected.items():
+        if tensor.dtype not in dtypes or tuple(tensor.shape) != shape:
+            allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise CheckpointError(
+                f"{name.removesuffix('weight')}{kind}: {str(tensor.dtype).removeprefix('torch.')} "
+                f"{list(tensor.shape)}, expected {allowed} {list(shape)}"
+            )
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     q = (qweight.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & 0xF  # [K/8, 8, N]
     q = q.reshape(-1, qweight.shape[1]).T  # [N, K]
@@ -634,7 +651,7 @@ class ExpertSource:
         """Check that every expert tensor of the layer exists with consistent shapes (headers only)."""
         if self.naming.fused:
             return self._describe_fused(layer)
-        dtypes, shapes = set(), {}
+        dtypes, shapes, stored_as = set(), {}, {}
         for expert in range(self.experts[layer]):
             for projection in range(3):
                 key = self.key(projection, layer, expert)
@@ -643,6 +660,14 @@ class ExpertSource:
                 expected = shapes.setdefault(projection, shape)
                 if shape != expected:
                     raise CheckpointError(f"tensor {key!r} has shape {shape}, expert 0 has {expected}")
+                # Float types may mix (each is read as it is); a quantized one may not: its codes and
+                # scales would be read as another type's.
+                first = stored_as.setdefault(projection, dtype)
+                if dtype != first and {dtype, first} - set(_FLOAT_DTYPES):
+                    raise CheckpointError(
+                        f"tensor {key!r} is stored as {dtype}, expert 0's {PROJECTIONS[projection]} as {first}: "
+                        "the experts of a layer must share a quantized storage type"
+                    )
         (inter, hidden), down = shapes[0], shapes[2]
         if shapes[1] != [inter, hidden] or down != [hidden, inter]:
             raise CheckpointError(
