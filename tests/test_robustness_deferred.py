@@ -131,3 +131,39 @@ def test_write_back_refuses_addresses_below_the_lowest_mappable_page(address):
         moe.submit_write_weight_scale_to_buffer(
             1, 0, [buffer.data_ptr()] * 2, None, [buffer.data_ptr()], None
         )
+
+
+@pytest.mark.parametrize(
+    "mask,error,match",
+    [
+        (torch.zeros(E, dtype=torch.bool, device="meta"), ValueError, "meta tensor"),
+        (torch.zeros(E, dtype=torch.bool).to_sparse(), TypeError, "dense tensor"),
+        ({1: 2}, TypeError, "got dict"),
+        ((x for x in range(E)), TypeError, "got generator"),
+        (torch.zeros(E).to(torch.float8_e4m3fn), TypeError, "must be a bool tensor"),
+    ],
+    ids=["meta", "sparse", "dict", "generator", "float8"],
+)
+def test_masks_of_the_wrong_kind_are_errors_naming_the_argument(mask, error, match):
+    moe = moe_wrapper(E, K, H, I)
+    with pytest.raises(error, match=match):
+        moe.gpu_experts_mask = mask
+    with pytest.raises(error, match=match):
+        moe_wrapper(E, K, H, I, gpu_experts_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "freq,error,match",
+    [
+        (torch.zeros(2, E, device="meta"), ValueError, "meta tensor"),
+        (torch.zeros(2, E).to_sparse(), TypeError, "dense tensor"),
+    ],
+    ids=["meta", "sparse"],
+)
+def test_activation_frequencies_of_the_wrong_kind_are_errors_naming_the_argument(freq, error, match):
+    from kt_kernel import generate_gpu_experts_masks
+
+    with pytest.raises(error, match=match):
+        generate_gpu_experts_masks(freq, 3)
+    low_precision = torch.rand(2, E).to(torch.float8_e4m3fn)
+    assert generate_gpu_experts_masks(low_precision, 3).sum() == 3

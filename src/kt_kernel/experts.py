@@ -340,7 +340,17 @@ class KTMoEWrapper:
     def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
         if mask is None:
             return torch.zeros(self.num_experts, dtype=torch.bool)
-        mask = torch.as_tensor(mask)
+        if isinstance(mask, torch.Tensor):
+            if mask.layout != torch.strided:
+                raise TypeError(f"gpu_experts_mask must be a dense tensor, got layout {mask.layout}")
+            if mask.is_meta:
+                raise ValueError("gpu_experts_mask is a meta tensor: it holds no values")
+        elif not isinstance(mask, (list, tuple)):
+            raise TypeError(f"gpu_experts_mask must be a bool tensor or a list of bools, got {type(mask).__name__}")
+        try:
+            mask = torch.as_tensor(mask)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"gpu_experts_mask must be a bool tensor or a list of bools: {error}") from error
         if mask.device.type != "cpu":
             mask = mask.cpu()  # a mask is tiny; a GPU-side one is welcome
         if mask.dtype != torch.bool:

@@ -16,6 +16,10 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     """
     if not isinstance(activation_freq, torch.Tensor):
         raise TypeError(f"activation_freq must be a torch.Tensor, got {type(activation_freq).__name__}")
+    if activation_freq.layout != torch.strided:
+        raise TypeError(f"activation_freq must be a dense tensor, got layout {activation_freq.layout}")
+    if activation_freq.is_meta:
+        raise ValueError("activation_freq is a meta tensor: it holds no frequencies")
     if activation_freq.dim() != 2:
         raise ValueError(
             f"activation_freq must have shape [num_layers, num_experts], got {list(activation_freq.shape)}"
@@ -25,6 +29,8 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     freq = activation_freq.detach().to("cpu")
     if freq.dtype == torch.bool:
         freq = freq.to(torch.uint8)
+    elif freq.is_floating_point() and freq.element_size() == 1:  # float8: no sort, no comparisons
+        freq = freq.float()
     if freq.is_floating_point() and torch.isnan(freq).any():
         raise ValueError("activation_freq holds NaN")
     if isinstance(num_gpu_experts, bool) or not isinstance(num_gpu_experts, int):
