@@ -665,8 +665,8 @@ class ExpertSource:
                 first = stored_as.setdefault(projection, dtype)
                 if dtype != first and {dtype, first} - set(_FLOAT_DTYPES):
                     raise CheckpointError(
-                        f"tensor {key!r} is stored as {dtype}, expert 0's {PROJECTIONS[projection]} as {first}: "
-                        "the experts of a layer must share a quantized storage type"
+                        f"tensor {key!r} is stored as {dtype}, expert 0's {PROJECTIONS[projection]} as "
+                        f"{first}: the experts of a layer must share a quantized storage type"
                     )
         (inter, hidden), down = shapes[0], shapes[2]
         if shapes[1] != [inter, hidden] or down != [hidden, inter]:

@@ -346,7 +346,9 @@ class KTMoEWrapper:
             if mask.is_meta:
                 raise ValueError("gpu_experts_mask is a meta tensor: it holds no values")
         elif not isinstance(mask, (list, tuple)):
-            raise TypeError(f"gpu_experts_mask must be a bool tensor or a list of bools, got {type(mask).__name__}")
+            raise TypeError(
+                f"gpu_experts_mask must be a bool tensor or a list of bools, got {type(mask).__name__}"
+            )
         try:
             mask = torch.as_tensor(mask)
         except (TypeError, ValueError, RuntimeError) as error:
