@@ -58,7 +58,7 @@ def layer_1_takes_layer_0s_deferred_experts():
 def test_resubmitting_a_layer_before_the_layer_that_adds_its_deferred_experts_syncs_is_refused():
     layers, problems, reference, out0 = layer_1_takes_layer_0s_deferred_experts()
     p0 = problems[0]
-    with pytest.raises(RuntimeError, match="being added by a later layer's call"):
+    with pytest.raises(RuntimeError, match="being added by layer 1's call, which has not been synced"):
         layers[0].submit_forward(p0.hidden, p0.ids, p0.weights)
     outputs = [out0, layers[1].sync_forward()] + run_pass(layers[2:], problems[2:])
     assert_same_total(outputs, reference)  # nothing lost
@@ -167,3 +167,57 @@ def test_activation_frequencies_of_the_wrong_kind_are_errors_naming_the_argument
         generate_gpu_experts_masks(freq, 3)
     low_precision = torch.rand(2, E).to(torch.float8_e4m3fn)
     assert generate_gpu_experts_masks(low_precision, 3).sum() == 3
+
+
+SIGINT_SCRIPT = """
+import signal, sys, threading, time, torch
+sys.path.insert(0, "tests")
+from moe_reference import make_problem, moe_wrapper
+from kt_kernel import KTMoEWrapper
+p = make_problem(8, 4, 256, 256, 600, seed=1)  # a prefill-sized call: a few milliseconds
+layers = [moe_wrapper(8, 4, 256, 256, layer_idx=0, max_deferred_experts_per_token=2),
+          moe_wrapper(8, 4, 256, 256, layer_idx=1)]
+for moe in layers:
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
+call = (p.hidden, p.ids, p.weights)
+expected = [moe.forward(*call) for moe in layers]
+armed = [False]
+
+def on_sigint(signum, frame):  # Ctrl-C, but only while the calls run (one at a time)
+    if armed[0]:
+        armed[0] = False
+        raise KeyboardInterrupt
+
+signal.signal(signal.SIGINT, on_sigint)
+main, stop = threading.get_ident(), threading.Event()
+
+def interrupt():
+    while not stop.wait(0.0037):
+        signal.pthread_kill(main, signal.SIGINT)
+
+sender = threading.Thread(target=interrupt)
+sender.start()
+interrupts, deadline = 0, time.monotonic() + 3
+while time.monotonic() < deadline:
+    try:
+        armed[0] = True
+        for moe in layers:
+            moe.forward(*call)
+        armed[0] = False
+    except KeyboardInterrupt:
+        interrupts += 1
+stop.set()
+sender.join()
+KTMoEWrapper.flush_deferred()  # what an interrupted pass left pending
+got = [moe.forward(*call) for moe in layers]
+print(interrupts, all(torch.equal(a, b) for a, b in zip(got, expected)))
+"""
+
+
+def test_sigint_at_random_moments_of_forward_calls_never_crashes_or_wedges():
+    from conftest import run_python
+
+    result = run_python(SIGINT_SCRIPT, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    interrupts, same = result.stdout.split()
+    assert int(interrupts) > 10 and same == "True", result.stdout

@@ -221,6 +221,7 @@ class KTMoEWrapper:
         self._deferred_layer = self._layer.twin() if deferred else None
         self._deferred_out: torch.Tensor | None = None  # the deferred call in flight, if any
         self._deferred_closed_out: torch.Tensor | None = None  # its output, kept by close() for its taker
+        self._deferred_taker: KTMoEWrapper | None = None  # the wrapper whose call took it to add
         self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
         # The stream path, made at the first call with a CUDA stream, and its call whose deferred
         # experts the next call adds (guarded by _deferred_lock).
@@ -541,10 +542,37 @@ class KTMoEWrapper:
         """Compute the routed experts for hidden_states [T, H] bf16; returns a [T, H] bf16 tensor
         (new on the direct path; on a stream, see sync_forward).
 
-        Calls from several threads on one wrapper run one after another."""
+        Calls from several threads on one wrapper run one after another. An exception between the
+        two halves (KeyboardInterrupt, say) leaves nothing in flight: the call is waited for and
+        dropped, and the next call works."""
         with self._forward_lock:
-            self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
-            return self.sync_forward(hidden_states, cuda_stream)
+            try:
+                self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+                return self.sync_forward(hidden_states, cuda_stream)
+            except BaseException:
+                self._drop_in_flight()
+                raise
+
+    def _drop_orphaned_call(self, adds: torch.Tensor | KTMoEWrapper | None = None) -> None:
+        """Wait for the engines' call and for the deferred experts it took (`adds`), and drop both."""
+        try:
+            if self._layer.pending:
+                self._layer.sync()
+            if isinstance(adds, KTMoEWrapper):
+                adds._collect_deferred()  # frees that layer for its next call
+        except (RuntimeError, ValueError):
+            pass  # the call's own error: it is dropped with it
+
+    def _drop_in_flight(self) -> None:
+        """Wait for a direct-path call in flight and forget it (its output, and the deferred experts
+        it took, are lost: the caller has given up on the call)."""
+        with self._lock:
+            out = self._in_flight
+            if not isinstance(out, torch.Tensor):
+                return  # none, or on a stream (its host functions finish it)
+            adds, self._in_flight, self._adds = self._adds, None, None
+            if self._layer is not None:
+                self._drop_orphaned_call(adds)
 
     def submit_forward(
         self,
@@ -576,6 +604,8 @@ class KTMoEWrapper:
                 self._submit_on_stream(stream, hidden_states, topk_ids, topk_weights)
                 return
             self._require_idle("submit a forward", deferred_too=False)
+            if self._layer.pending:  # a call an interrupt left behind mid-way: finish it, drop it
+                self._drop_orphaned_call()
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
             tokens = x.shape[0]
             out = self._spare_out if self._spare_tokens == tokens else None
@@ -587,39 +617,51 @@ class KTMoEWrapper:
                 # Refused before anything starts: a call that fails half-way (its deferred part) would
                 # leave the engines writing memory nobody holds.
                 if self._deferred_out is not None and KTMoEWrapper._pending() is not self:
-                    raise RuntimeError(
-                        f"layer {self.layer_idx}'s deferred experts of its last call are being added by a "
-                        "later layer's call that has not been synced: sync it before calling this layer again"
-                    )
+                    taker = self._deferred_taker
+                    if taker is not None and taker._adds is self:
+                        raise RuntimeError(
+                            f"layer {self.layer_idx}'s deferred experts of its last call are being added by "
+                            f"layer {taker.layer_idx}'s call, which has not been synced: sync it before "
+                            "calling this layer again"
+                        )
+                    self._collect_deferred()  # the call that took them was dropped (interrupted): drop them
                 _require_expert_ids(ids, self.num_experts)
                 ids, deferred_ids = self.select_deferred_experts(
                     ids, weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
                 )
-            if tokens > 0:
-                # _check_inputs made them contiguous with the engine's dtypes and shapes.
-                # The engines compare the mask with the one they hold (a memcmp) and update on change.
-                self._layer.submit_addresses(
-                    x.data_ptr(), tokens, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
-                    self._gpu_mask_address,
-                )  # fmt: skip
-                if tokens <= _SPARE_OUTPUT_MAX_TOKENS:
-                    self._spare_out, self._spare_tokens = torch.empty_like(x), tokens
-            # Taken once this call is on its way, so a refused call leaves them for the next one.
+            # Once the engines write `out`, whatever is raised (a refused pass, or a KeyboardInterrupt
+            # the moment the submit returns), the call is waited for before `out` can be freed.
             try:
-                self._adds = self._take_pending_deferred(tokens)
-            except RuntimeError:
                 if tokens > 0:
-                    self._layer.sync()
-                raise
-            if deferred_ids is not None:  # queued behind the call above: it runs while the caller goes on
-                with KTMoEWrapper._deferred_lock:
-                    self._deferred_out = torch.empty_like(x)
-                    self._deferred_layer.submit_addresses(
-                        x.data_ptr(), x.shape[0], deferred_ids.data_ptr(), weights.data_ptr(),
-                        self._deferred_out.data_ptr(),
+                    # _check_inputs made them contiguous with the engine's dtypes and shapes. The
+                    # engines compare the mask with the one they hold (a memcmp) and update on change.
+                    self._layer.submit_addresses(
+                        x.data_ptr(), tokens, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+                        self._gpu_mask_address,
                     )  # fmt: skip
-                    KTMoEWrapper._set_pending(self)
-            self._in_flight = out  # the engines write it until sync
+                if 0 < tokens <= _SPARE_OUTPUT_MAX_TOKENS:
+                    self._spare_out, self._spare_tokens = torch.empty_like(x), tokens
+                # Taken once this call is on its way, so a refused call leaves them for the next one.
+                self._adds = self._take_pending_deferred(tokens)
+                if deferred_ids is not None:  # queued behind the call above: runs while the caller goes on
+                    with KTMoEWrapper._deferred_lock:
+                        self._deferred_out = torch.empty_like(x)  # held before the engines write it
+                        try:
+                            self._deferred_layer.submit_addresses(
+                                x.data_ptr(), x.shape[0], deferred_ids.data_ptr(), weights.data_ptr(),
+                                self._deferred_out.data_ptr(),
+                            )  # fmt: skip
+                        except BaseException:
+                            if not self._deferred_layer.pending:
+                                self._deferred_out = None
+                            raise
+                        KTMoEWrapper._set_pending(self)
+                self._in_flight = out  # the engines write it until sync
+            except BaseException:
+                if self._in_flight is not out:
+                    adds, self._adds = self._adds, None
+                    self._drop_orphaned_call(adds)
+                raise
 
     def _submit_on_stream(
         self, stream: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -704,7 +746,10 @@ class KTMoEWrapper:
                 if adds is not None:  # the deferred experts of the call before
                     out = (out.float() + adds.float()).to(torch.bfloat16)
             finally:
-                self._in_flight, self._adds = None, None
+                # Interrupted before the engines were waited for, the call stays in flight (and
+                # `out` held) for a later sync_forward, or for forward() to drop.
+                if out.shape[0] == 0 or not self._layer.pending:
+                    self._in_flight, self._adds = None, None
             return out
 
     # ---- deferred experts (max_deferred_experts_per_token > 0) --------------------------------------
@@ -784,7 +829,10 @@ class KTMoEWrapper:
                 )
             KTMoEWrapper._set_pending(None)
             # This layer's own deferred call is about to be replaced: collect it now.
-            return pending._collect_deferred_locked() if pending is self else pending
+            if pending is self:
+                return pending._collect_deferred_locked()
+            pending._deferred_taker = self
+            return pending
 
     def _collect_deferred(self) -> torch.Tensor:
         with KTMoEWrapper._deferred_lock:
