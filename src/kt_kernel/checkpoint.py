@@ -599,6 +599,11 @@ def gptq_to_int4(
     )
 
 
+def _require_float_scale(key: str, dtype: str) -> None:
+    if dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {key!r} has dtype {dtype}; scales must be BF16, F16 or F32")
+
+
 class ExpertSource:
     """The routed experts of a checkpoint, found by name and read one expert at a time."""
 
@@ -697,7 +702,8 @@ class ExpertSource:
         dtype, shape = self.reader.header(key)
         if dtype == _FP8_DTYPE:
             scale_key, expected = self._fp8_scale(key, shape)
-            scale_shape = self.reader.header(scale_key)[1]
+            scale_dtype, scale_shape = self.reader.header(scale_key)
+            _require_float_scale(scale_key, scale_dtype)
             if scale_shape not in expected:
                 shapes = " or ".join(map(str, expected))
                 raise CheckpointError(
@@ -731,15 +737,16 @@ class ExpertSource:
         if self._int4_layout(key) == "packed":
             names, words = ("weight_packed", "weight_scale"), self.reader.header(base + "weight_packed")
             n, k = words[1][0], 8 * words[1][-1]
-            scale = self.reader.header(base + "weight_scale")[1]
+            scale_dtype, scale = self.reader.header(base + "weight_scale")
             rows, groups = scale if len(scale) == 2 else (None, None)
         else:
             names, words = ("qweight", "scales"), self.reader.header(base + "qweight")
             n, k = words[1][-1], 8 * words[1][0]
-            scale = self.reader.header(base + "scales")[1]
+            scale_dtype, scale = self.reader.header(base + "scales")
             groups, rows = scale if len(scale) == 2 else (None, None)
         if words[0] != "I32" or len(words[1]) != 2:
             raise CheckpointError(f"tensor {base + names[0]!r} must be I32 [2-D], got {words[0]} {words[1]}")
+        _require_float_scale(base + names[1], scale_dtype)
         if rows != n or not groups or k % groups or k // groups not in formats.INT4.scale_groups:
             raise CheckpointError(
                 f"tensor {base + names[1]!r} has shape {scale}: not one scale per 32, 64 or 128 of the "
@@ -763,7 +770,7 @@ class ExpertSource:
             if weight.dtype != torch.float8_e4m3fn:
                 stored.append((weight,))
                 continue
-            scale = self.reader.read(self._fp8_scale(key, list(weight.shape))[0]).float()
+            scale = self._read_scale(self._fp8_scale(key, list(weight.shape))[0])
             stored.append((weight.view(torch.uint8), scale))
         return stored
 
@@ -773,12 +780,12 @@ class ExpertSource:
         base = key.removesuffix("weight")
         if self._int4_layout(key) == "packed":  # eight q + 8 per int32, low bits first
             words = self.reader.read(base + "weight_packed").contiguous()
-            return words.view(torch.uint8) ^ 0x88, self.reader.read(base + "weight_scale").float()
+            return words.view(torch.uint8) ^ 0x88, self._read_scale(base + "weight_scale")
         return gptq_to_int4(
             key,
             self.reader.read(base + "qweight"),
             self.reader.read(base + "qzeros"),
-            self.reader.read(base + "scales"),
+            self._read_scale(base + "scales"),
             self.reader.read(base + "g_idx") if base + "g_idx" in self.reader else None,
             self.gptq_zero_offset,
         )
@@ -807,6 +814,18 @@ class ExpertSource:
             down = self.reader.read(self.key(2, layer.index, 0), expert)
             return gate_up[: layer.intermediate], gate_up[layer.intermediate :], down
         return tuple(self._read_weight(self.key(p, layer.index, expert)) for p in range(3))
+
+    def _read_scale(self, key: str) -> torch.Tensor:
+        """A scale tensor as float32, refused unless every value is finite and positive."""
+        scale = self.reader.read(key).float()
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if bool(bad.any()):
+            where = bad.nonzero()[0].tolist()
+            raise CheckpointError(
+                f"tensor {key!r} holds the scale {scale[tuple(where)].item()} at index {where}: scales must "
+                "be finite and positive"
+            )
+        return scale
 
     def _read_weight(self, key: str) -> torch.Tensor:
         weight = self.reader.read(key)

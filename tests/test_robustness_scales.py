@@ -1,0 +1,56 @@
+"""Hostile scale tensors in the checkpoints load_weights() and `kt-kernel convert` read (FP8 block
+scales, compressed-tensors RAWINT4, GPTQ): each is a CheckpointError (a ValueError) naming the
+tensor, before anything is packed; the converter exits 1 with the same message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_fp8 import expert_tensors, write_model_dir
+from test_int4_sources import write_layer
+
+from kt_kernel.__main__ import main
+
+from moe_reference import moe_wrapper
+
+VARIANTS = {
+    "nan": lambda t: t.clone().fill_(float("nan")),
+    "inf": lambda t: t.clone().fill_(float("inf")),
+    "zero": lambda t: torch.zeros_like(t),
+    "negative": lambda t: -t.abs() - 0.1,
+    "int32": lambda t: t.to(torch.int32),
+    "bool": lambda t: t.bool(),
+    "one-row-more": lambda t: torch.cat([t, t[:1]]),
+    "3-d": lambda t: t[None],
+}
+
+
+def fp8_layer(path) -> None:
+    write_model_dir(path, expert_tensors("model.", 0, per_channel=False, seed=1)[0])
+
+
+SOURCES = {  # (writer, the scale tensor spoiled, E, K, H, I, method)
+    "FP8": (fp8_layer, "weight_scale_inv", 4, 2, 256, 384, "FP8"),
+    "RAWINT4": (lambda path: write_layer(path, "packed", 32), "weight_scale", 4, 2, 256, 128, "RAWINT4"),
+    "GPTQ": (lambda path: write_layer(path, "gptq", 32), "scales", 4, 2, 256, 128, "GPTQ_INT4"),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_hostile_scale_is_an_error_naming_the_tensor(tmp_path, source, variant):
+    write, kind, E, K, H, I, method = SOURCES[source]
+    write(tmp_path / "model")
+    file = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(str(file))
+    key = f"model.layers.0.mlp.experts.1.up_proj.{kind}"
+    tensors[key] = VARIANTS[variant](tensors[key]).contiguous()
+    save_file(tensors, str(file))
+    moe = moe_wrapper(E, K, H, I, method=method, weight_path=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        moe.load_weights()
+    with pytest.raises(RuntimeError, match="not loaded"):  # nothing half-loaded runs
+        moe.forward(torch.zeros(1, H), torch.zeros(1, K, dtype=torch.int64), torch.ones(1, K))
+    if source != "FP8":  # the converter reads packed INT4 sources the same way
+        assert main(["convert", str(tmp_path / "model"), str(tmp_path / "out"), "--format", "int4"]) == 1
