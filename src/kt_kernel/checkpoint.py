@@ -416,7 +416,11 @@ class LayerReader:
     the directory is indexed, and a Hugging Face directory's layer found and checked, once, not per
     range (a big model's index holds ~100k tensor names)."""
 
-    def __init__(self, path: str | Path, layer: int, method: str) -> None:
+    def __init__(
+        self, path: str | Path, layer: int, method: str, sizes: tuple[int, int] | None = None
+    ) -> None:
+        """``sizes``: the (hidden, intermediate) the caller's layer has; a Hugging Face directory's
+        layer of other sizes is refused here, from the headers, before any expert is read."""
         self.path, self.layer, self.method = path, layer, method
         self._files: dict[str, Path] | None = None
         self._source: tuple[ExpertSource, MoELayer] | None = None
@@ -428,6 +432,12 @@ class LayerReader:
             self._files = index_checkpoint(path)
         else:
             self._source = _source_layer(path, layer, fmt)
+            described = self._source[1]
+            if sizes is not None and (described.hidden, described.intermediate) != tuple(sizes):
+                raise CheckpointError(
+                    f"{path} layer {layer}: experts of hidden size {described.hidden} and intermediate size "
+                    f"{described.intermediate}, the layer has {sizes[0]} and {sizes[1]}"
+                )
 
     def read(self, experts: Experts) -> dict[str, torch.Tensor]:
         if self._converted:

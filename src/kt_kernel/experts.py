@@ -474,7 +474,12 @@ class KTMoEWrapper:
             self._require_idle("load weights")
             self._start_load()
             # A part at a time: only its tensors exist besides the engines' packed copy.
-            reader = checkpoint.LayerReader(self.weight_path, self.layer_idx, self.weight_format)
+            reader = checkpoint.LayerReader(
+                self.weight_path,
+                self.layer_idx,
+                self.weight_format,
+                (self.hidden_size, self.moe_intermediate_size),
+            )
             per_part = max(1, sources // LOAD_PARTS)
             for first in range(0, sources, per_part):
                 experts = range(first, min(sources, first + per_part))
