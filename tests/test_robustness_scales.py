@@ -68,3 +68,15 @@ def test_a_layer_of_other_sizes_is_refused_from_the_headers_before_reading(tmp_p
     ):
         moe.load_weights()
     assert not read
+
+
+def test_a_lying_weight_shape_is_an_error_naming_it(tmp_path):
+    write_layer(tmp_path / "model", "packed", 32)
+    file = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(str(file))
+    key = "model.layers.0.mlp.experts.2.down_proj.weight_shape"
+    tensors[key] = torch.tensor([999, 7], dtype=torch.int32)
+    save_file(tensors, str(file))
+    moe = moe_wrapper(4, 2, 256, 128, method="RAWINT4", weight_path=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match=rf"{key}' declares \[999, 7\]"):
+        moe.load_weights()

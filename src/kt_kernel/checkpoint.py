@@ -757,6 +757,14 @@ class ExpertSource:
         if words[0] != "I32" or len(words[1]) != 2:
             raise CheckpointError(f"tensor {base + names[0]!r} must be I32 [2-D], got {words[0]} {words[1]}")
         _require_float_scale(base + names[1], scale_dtype)
+        shape_key = base + "weight_shape"  # compressed-tensors' own record of [N, K]: two integers
+        if names[0] == "weight_packed" and shape_key in self.reader:
+            declared = self.reader.read(shape_key)
+            if declared.dtype.is_floating_point or declared.tolist() != [n, k]:
+                raise CheckpointError(
+                    f"tensor {shape_key!r} declares {declared.tolist()}, but {base + names[0]!r} holds "
+                    f"[{n}, {k}]"
+                )
         if rows != n or not groups or k % groups or k // groups not in formats.INT4.scale_groups:
             raise CheckpointError(
                 f"tensor {base + names[1]!r} has shape {scale}: not one scale per 32, 64 or 128 of the "
