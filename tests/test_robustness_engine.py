@@ -404,3 +404,36 @@ def test_non_finite_weights_are_refused_at_quantize_on_load(method):
     up[3, 1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"up_proj\[3\]: the weight holds nan"):
         moe_wrapper(E, K, H, I, method=method).load_weights_from_tensors(gate, up, down)
+
+
+FORK_THREADS_SCRIPT = """
+import os, sys, threading
+sys.path.insert(0, "tests")
+from moe_reference import make_problem, moe_wrapper
+p = make_problem(8, 2, 128, 64, 4)
+parent = moe_wrapper(8, 2, 128, 64)
+parent.load_weights_from_tensors(p.gate, p.up, p.down)
+expected = parent.forward(p.hidden, p.ids, p.weights)
+
+def first_calls(results):
+    moe = moe_wrapper(8, 2, 128, 64)  # the parent's worker threads do not exist in the child
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
+    results.append(all(moe.forward(p.hidden, p.ids, p.weights).equal(expected) for _ in range(3)))
+
+failed = 0
+for _ in range(20):
+    pid = os.fork()
+    if pid == 0:
+        results = []
+        threads = [threading.Thread(target=first_calls, args=(results,)) for _ in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        os._exit(0 if results == [True] * 4 else 1)
+    failed += os.waitpid(pid, 0)[1] != 0
+print(failed)
+"""
+
+
+def test_fork_then_four_threads_make_their_first_calls_at_once():
+    result = run_python(FORK_THREADS_SCRIPT, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "0", result.stdout + result.stderr[-2000:]
