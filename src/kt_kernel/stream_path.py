@@ -224,7 +224,11 @@ class StreamForward:
         """Queue the wait and the output copy; returns the device output. Raises the first error a
         host function of this layer met (of this call or an earlier one)."""
         out = BUFFERS.output(call.tokens, self.hidden, call.device, self.parity)
-        self.layer.sync(call.handle, call.stream, out.data_ptr())
+        try:
+            self.layer.sync(call.handle, call.stream, out.data_ptr())
+        except BaseException:
+            BUFFERS.retire(call.slot)  # the call's copies were queued: the slot stays theirs
+            raise
         # Whatever reuses these slots next is queued after this sync on the same stream.
         if not call.deferred:  # else held until the call that adds its deferred output syncs
             BUFFERS.release(call.slot)
