@@ -191,3 +191,10 @@ def test_cpu_info_and_cli():
         [sys.executable, "-m", "kt_kernel", "info", "--json"], capture_output=True, text=True
     )
     assert json.loads(as_json.stdout)["variant"] == kt_kernel.__cpu_variant__
+
+
+def test_the_modules_cpu_checks_and_the_loader_agree_on_every_builds_flags():
+    from kt_kernel._native import ext
+
+    assert ext.BUILD_REQUIREMENTS == loader.REQUIRED_FLAGS
+    assert tuple(ext.BUILD_REQUIREMENTS) == loader.VARIANTS  # best first, the same builds

@@ -156,6 +156,14 @@ NB_MODULE(KT_MODULE_NAME, m) {
   m.attr("FORMATS") = formats;
   m.attr("GROUP_ROWS") = kt::kGroupRows;
 
+  nb::dict requirements;  // every build's CPU flags, as the module checks them (cpu_features.h)
+  for (const auto& [build, flags] : kt::build_requirements()) {
+    nb::list names;
+    for (const std::string& flag : flags) names.append(flag);
+    requirements[build.c_str()] = nb::tuple(names);
+  }
+  m.attr("BUILD_REQUIREMENTS") = requirements;
+
   m.def("cpu_features", [] {
     const kt::CpuFeatures f = kt::detect_cpu_features();
     nb::dict d;

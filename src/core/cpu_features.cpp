@@ -68,22 +68,44 @@ CpuFeatures detect_cpu_features() {
   return f;
 }
 
+const std::vector<std::pair<std::string, std::vector<std::string>>>& build_requirements() {
+  static const std::vector<std::string> avx2 = {"avx2", "fma", "f16c"};
+  static const auto with = [](std::vector<std::string> base, std::vector<std::string> more) {
+    base.insert(base.end(), more.begin(), more.end());
+    return base;
+  };
+  static const std::vector<std::string> avx512 = with(avx2, {"avx512f", "avx512bw", "avx512vl", "avx512dq"});
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> table = {
+      {"amx", with(avx512, {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"})},
+      {"avx512", avx512},
+      {"avx2", avx2},
+  };
+  return table;
+}
+
 void require_cpu_support(const std::string& variant) {
   const CpuFeatures f = detect_cpu_features();
-  struct Need {
-    const char* name;
-    bool present;
+  const std::pair<const char*, bool> present[] = {
+      {"avx2", f.avx2},           {"fma", f.fma},
+      {"f16c", f.f16c},           {"avx512f", f.avx512f},
+      {"avx512bw", f.avx512bw},   {"avx512vl", f.avx512vl},
+      {"avx512dq", f.avx512dq},   {"avx512_bf16", f.avx512_bf16},
+      {"avx512_vnni", f.avx512_vnni}, {"amx_tile", f.amx_tile},
+      {"amx_int8", f.amx_int8},   {"amx_bf16", f.amx_bf16},
   };
-  std::vector<Need> needs = {{"avx2", f.avx2}, {"fma", f.fma}, {"f16c", f.f16c}};
-  if (variant == "avx512" || variant == "amx")
-    needs.insert(needs.end(), {{"avx512f", f.avx512f}, {"avx512bw", f.avx512bw},
-                               {"avx512vl", f.avx512vl}, {"avx512dq", f.avx512dq}});
-  if (variant == "amx")
-    needs.insert(needs.end(), {{"avx512_bf16", f.avx512_bf16}, {"avx512_vnni", f.avx512_vnni},
-                               {"amx_tile", f.amx_tile}, {"amx_int8", f.amx_int8}, {"amx_bf16", f.amx_bf16}});
+  const std::vector<std::string>* needs = nullptr;
+  for (const auto& [build, flags] : build_requirements())
+    if (build == variant) needs = &flags;
+  // A build missing from the table must not load after a weaker check: an illegal instruction.
+  if (!needs) throw std::runtime_error("kt_kernel has no CPU requirements for a build named " + variant);
   std::string missing;
-  for (const Need& need : needs)
-    if (!need.present) missing += (missing.empty() ? "" : " ") + std::string(need.name);
+  for (const std::string& flag : *needs) {
+    bool found = false, has = false;
+    for (const auto& [name, value] : present)
+      if (flag == name) found = true, has = value;
+    if (!found) throw std::logic_error("no CPUID check for the flag " + flag);
+    if (!has) missing += (missing.empty() ? "" : " ") + flag;
+  }
   if (!missing.empty())
     throw std::runtime_error("the " + variant + " build of kt_kernel cannot run on this CPU: CPUID lacks " +
                              missing);

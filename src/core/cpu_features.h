@@ -3,6 +3,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common.h"
 
@@ -19,8 +21,13 @@ struct CpuFeatures {
 // Flags are reported only where the OS also saves the registers they need (XCR0).
 CpuFeatures detect_cpu_features();
 
+// Each build and the CPU flags (as /proc/cpuinfo names them) it needs, best build first: the one
+// table of them in C++. loader/select.py's REQUIRED_FLAGS says the same for the loader, and
+// tests/test_loader.py checks that the two agree.
+const std::vector<std::pair<std::string, std::vector<std::string>>>& build_requirements();
+
 // Throws std::runtime_error (an ImportError at module load) naming what this CPU lacks for the
-// given build ("avx2", "avx512" or "amx"); for "amx" also asks Linux for AMX tile permission.
+// given build, or that the build is unknown; for "amx" also asks Linux for AMX tile permission.
 void require_cpu_support(const std::string& variant);
 
 KT_NAMESPACE_END
