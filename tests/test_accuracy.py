@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kt_kernel import quant
+from kt_kernel import formats, quant
 
 from moe_reference import moe_wrapper, random_routing
 
 BOUND = 0.005
-FORMATS = ["BF16", "MXFP4", "INT8", "INT4", "FP8"]
+FORMATS = list(formats.FORMATS)  # every registered format
 OUTLIER_CHANNELS = [7, 300, 1001, 1900]
 # (experts, top_k, hidden, intermediate): the qwen3-30b expert shape, and an odd one.
 QWEN3 = (8, 2, 2048, 768)

@@ -9,6 +9,8 @@ import importlib
 import pytest
 import torch
 
+from kt_kernel import formats
+
 from conftest import skip_unless_cpu_runs
 from moe_reference import assert_close_to_reference, make_problem, reference_forward
 
@@ -241,7 +243,7 @@ def test_mxfp4_scales_at_the_ends_of_bf16(emulated):
         assert torch.all((y.double() - ref).abs() <= bound), extreme
 
 
-@pytest.mark.parametrize("method", ["BF16", "INT8", "INT4", "FP8", "MXFP4"])
+@pytest.mark.parametrize("method", list(formats.FORMATS))
 def test_tiles_within_half_a_percent_on_outlier_activations(emulated, method):
     """The accuracy bound of test_accuracy.py, on the tile paths (64 tokens per expert: full tiles)."""
     from test_accuracy import BOUND, accuracy_case

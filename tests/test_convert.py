@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kt_kernel import checkpoint, convert, quant
+from kt_kernel import checkpoint, convert, formats, quant
 from kt_kernel.__main__ import main
 from kt_kernel.checkpoint import CheckpointError
 
@@ -25,7 +25,7 @@ FP8_MAX = 448.0
 MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
 NAMINGS = ("deepseek", "mixtral", "fused")
 DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-FORMATS = ["BF16", "MXFP4", "INT8", "INT4", "FP8"]
+FORMATS = list(formats.FORMATS)  # every registered format
 
 
 def dead_pid() -> int:

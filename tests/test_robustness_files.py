@@ -19,14 +19,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from test_convert import write_model
 
-from kt_kernel import checkpoint, convert, quant
+from kt_kernel import checkpoint, convert, formats, quant
 from kt_kernel.__main__ import main
 from kt_kernel.checkpoint import CheckpointError
 from kt_kernel.loader import load, read_cpuinfo
 
 from conftest import REPO, run_python
 
-FORMATS = ("BF16", "MXFP4", "INT8", "INT4", "FP8")
+FORMATS = tuple(formats.FORMATS)  # every registered format
 
 
 @pytest.fixture(autouse=True)

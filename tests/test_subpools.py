@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 import kt_kernel
-from kt_kernel import numa, quant
+from kt_kernel import formats, numa, quant
 from kt_kernel.experts import intermediate_granularity, split_intermediate
 from kt_kernel.info import format_cpu_info, format_numa_nodes
 
 from moe_reference import assert_close_to_reference, make_problem, moe_wrapper, reference_forward
 
-METHODS = ["BF16", "MXFP4", "INT8", "INT4", "FP8"]
+METHODS = list(formats.FORMATS)  # every registered format
 
 
 def int8_activations(method: str) -> bool:
