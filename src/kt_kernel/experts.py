@@ -240,6 +240,7 @@ class KTMoEWrapper:
         # _forward_lock makes forward() (submit + sync) one turn.
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
+        self._interrupted = False  # an exception cut a call short: the next submit checks the engines
         # The output of the forward in flight, or its StreamCall on a CUDA stream.
         self._in_flight: torch.Tensor | stream_path.StreamCall | None = None
         # A decode call allocates the next call's output while its engines run: with the caches cold
@@ -320,13 +321,7 @@ class KTMoEWrapper:
         """The engines read the mask's memory at submit: where the caller gave the tensor new storage
         (``mask.data = m``, ``mask.set_(m)``, ``share_memory_()``), read the new storage, or refuse a
         mask that is no longer a CPU bool [num_experts] tensor. Never the old address."""
-        mask = self._gpu_experts_mask
-        if (
-            mask.data_ptr() == self._gpu_mask_address
-            and mask.dtype == torch.bool
-            and mask.shape == self._mask_shape
-        ):
-            return
+        mask = self._gpu_experts_mask  # new storage means a new address: checked once, here
         self._gpu_mask_address = 0  # until it checks out
         if not (mask.is_cpu and mask.layout == torch.strided and mask.is_contiguous()):
             raise ValueError(
@@ -593,7 +588,9 @@ class KTMoEWrapper:
         int handle or a ``torch.cuda.Stream``; CUDA tensors without one use their device's current
         stream): everything is queued on that stream, inputs read in its order, and this returns
         without waiting for the stream (docs/serving.md)."""
-        stream = stream_path.stream_handle(cuda_stream, hidden_states)
+        # (The common direct call, CPU tensors and no stream, skips the look-up: a microsecond.)
+        on_cpu = cuda_stream is None and not getattr(hidden_states, "is_cuda", False)
+        stream = None if on_cpu else stream_path.stream_handle(cuda_stream, hidden_states)
         with self._lock:
             if not self._loaded:
                 raise RuntimeError(
@@ -601,7 +598,8 @@ class KTMoEWrapper:
                     if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
-            self._follow_gpu_mask()
+            if self._gpu_experts_mask.data_ptr() != self._gpu_mask_address:
+                self._follow_gpu_mask()
             if self._unpacked is not None:
                 self._load_experts_the_mask_hands_back()
             if stream is not None:
@@ -609,7 +607,8 @@ class KTMoEWrapper:
                 self._submit_on_stream(stream, hidden_states, topk_ids, topk_weights)
                 return
             self._require_idle("submit a forward", deferred_too=False)
-            if self._layer.pending:  # a call an interrupt left behind mid-way: finish it, drop it
+            if self._interrupted:  # a call an interrupt may have left behind mid-way: finish it, drop it
+                self._interrupted = False
                 self._drop_orphaned_call()
             x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
             tokens = x.shape[0]
@@ -664,6 +663,7 @@ class KTMoEWrapper:
                 self._in_flight = out  # the engines write it until sync
             except BaseException:
                 if self._in_flight is not out:
+                    self._interrupted = True
                     adds, self._adds = self._adds, None
                     self._drop_orphaned_call(adds)
                 raise
@@ -742,9 +742,11 @@ class KTMoEWrapper:
                 if out.tokens == 0:
                     return torch.empty((0, self.hidden_size), dtype=torch.bfloat16, device=out.device)
                 return self._stream.sync(out)
+            synced = out.shape[0] == 0
             try:
-                if out.shape[0] > 0:
+                if not synced:
                     self._layer.sync()  # with subpools: also sums their partial outputs into out
+                    synced = True
                 adds = self._adds
                 if isinstance(adds, KTMoEWrapper):
                     adds = adds._collect_deferred()
@@ -753,7 +755,7 @@ class KTMoEWrapper:
             finally:
                 # Interrupted before the engines were waited for, the call stays in flight (and
                 # `out` held) for a later sync_forward, or for forward() to drop.
-                if out.shape[0] == 0 or not self._layer.pending:
+                if synced or not self._layer.pending:
                     self._in_flight, self._adds = None, None
             return out
 
