@@ -83,10 +83,21 @@ std::vector<int> this_thread_cpus() {
 // system call per job.
 std::atomic<uint64_t> fork_generation{0};
 
+// Several threads of a fork() child may find a pool without workers at once: one respawns it
+// while the others wait here. Made anew in every child (a parent's thread may have held it), and
+// on first use, never at load (this file has the build's ISA flags).
+std::mutex*& respawn_lock() {
+  static std::mutex* lock = new std::mutex;
+  return lock;
+}
+
 uint64_t current_fork_generation() {
-  static const int registered = pthread_atfork(nullptr, nullptr, [] { fork_generation.fetch_add(1); });
+  static const int registered = pthread_atfork(nullptr, nullptr, [] {
+    fork_generation.fetch_add(1);
+    respawn_lock() = new std::mutex;  // the parent's is left as the fork copied it
+  });
   (void)registered;
-  return fork_generation.load(std::memory_order_relaxed);
+  return fork_generation.load(std::memory_order_acquire);
 }
 
 }  // namespace
@@ -110,7 +121,7 @@ void ThreadPool::spawn(uint64_t first_ticket) {
   workers_ = std::make_unique<Workers>();
   workers_->submitted = first_ticket;
   workers_->completed = first_ticket;
-  spawned_in_fork_generation_ = current_fork_generation();
+  spawned_in_fork_generation_.store(current_fork_generation(), std::memory_order_release);
   Workers& w = *workers_;
   w.threads.reserve(threads_);
   std::vector<int> errors(threads_, 0);
@@ -136,19 +147,28 @@ void ThreadPool::spawn(uint64_t first_ticket) {
       if (error != 0) throw std::system_error(error, std::generic_category(), "cannot pin a worker thread to its CPUs");
   } catch (...) {
     stop(w);
-    spawned_in_fork_generation_ = kNoWorkers;  // the next job tries again
+    spawned_in_fork_generation_.store(kNoWorkers, std::memory_order_release);  // the next job tries again
     throw;
   }
 }
 
-bool ThreadPool::forked() const { return current_fork_generation() != spawned_in_fork_generation_; }
+bool ThreadPool::forked() const {
+  return current_fork_generation() != spawned_in_fork_generation_.load(std::memory_order_acquire);
+}
+
+bool ThreadPool::all_asleep() {
+  if (forked()) respawn_after_fork();
+  return workers_->asleep.load(std::memory_order_relaxed) == threads_;
+}
 
 void ThreadPool::respawn_after_fork() {
+  std::lock_guard<std::mutex> lock(*respawn_lock());
+  if (!forked()) return;  // another thread of this child respawned it meanwhile
   // Tickets go on from where the parent's left off, so a ticket of the parent is never a new job's.
   const uint64_t completed = workers_->completed.load(), submitted = workers_->submitted.load();
-  (void)workers_.release();  // see Workers: left as the fork copied it (or a failed spawn left it)
-  spawn(submitted);
   if (submitted > completed) lost_from_ = completed, lost_to_ = submitted;
+  (void)workers_.release();  // see Workers: left as the fork copied it (or a failed spawn left it)
+  spawn(submitted);  // publishes the new workers last (spawned_in_fork_generation_)
 }
 
 void ThreadPool::stop(Workers& w) {

@@ -39,7 +39,7 @@ class ThreadPool {
   int size() const { return threads_; }
   // Whether every worker was asleep waiting for a job just now: the next job then starts only after
   // a wake-up, which costs tens of microseconds or more on a busy or virtual machine.
-  bool all_asleep() const { return workers_->asleep.load(std::memory_order_relaxed) == threads_; }
+  bool all_asleep();
   // Queues a job behind every job submitted before it. The job must not throw: it runs on worker
   // threads and a throw there would abort.
   Ticket submit(std::function<void(int)> job);
@@ -94,7 +94,7 @@ class ThreadPool {
 
   const int threads_;
   const std::vector<int> cpus_;
-  uint64_t spawned_in_fork_generation_ = 0;
+  std::atomic<uint64_t> spawned_in_fork_generation_{0};
   // Tickets [lost_from_, lost_to_): jobs queued or running when the process forked, lost here.
   uint64_t lost_from_ = 0, lost_to_ = 0;
   std::unique_ptr<Workers> workers_;
