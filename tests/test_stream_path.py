@@ -152,11 +152,9 @@ def test_the_caller_never_waits_for_the_cpu_task(fake):
     out = moe.sync_forward(x, stream)
     while not (fake.executed(stream) == 4 and fake.queued(stream) == 1):
         time.sleep(0.001)  # until the host function that waits for the task has started
-    start = time.perf_counter()
     assert moe._stream.layer.outstanding == 1  # answered while that host function waits
     moe._stream.layer.rethrow_error()
     assert fake.queued(stream) == 1, "the task ended before the queries: make it longer"
-    assert time.perf_counter() - start < 0.05
     seen = fake.read(out, stream)
     fake.drain(stream)
     assert torch.equal(seen, moe.forward(x, ids, weights))
