@@ -2,10 +2,12 @@
 
 #include <pthread.h>
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
+#include "bf16.h"
 #include "cuda_runtime.h"
 
 KT_NAMESPACE_BEGIN
@@ -27,21 +29,8 @@ std::vector<StreamLayer*>& registry() {
 
 CudaRuntime::Stream as_stream(uintptr_t handle) { return reinterpret_cast<CudaRuntime::Stream>(handle); }
 
-float bf16_to_float(bf16_t value) {
-  const uint32_t bits = uint32_t(value) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof result);
-  return result;
-}
-
-// Round to nearest even, NaN to the quiet NaN 0x7FC0: what torch's .to(torch.bfloat16) does.
-bf16_t float_to_bf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return bf16_t(bits >> 16);
-}
+// As torch's .to(torch.bfloat16), bit for bit: NaN becomes the quiet NaN 0x7FC0 whatever its sign.
+bf16_t to_bf16_as_torch(float value) { return std::isnan(value) ? bf16_t(0x7FC0) : float_to_bf16(value); }
 
 }  // namespace
 
@@ -221,7 +210,7 @@ bool StreamLayer::collect_deferred(StreamCall& call, bf16_t* out) {
   if (ok && out) {  // (out + deferred) in fp32, rounded once, as the CPU path's sync_forward
     const bf16_t* add = call.slot.deferred_out;
     const size_t values = size_t(call.tokens) * hidden_;
-    for (size_t i = 0; i < values; ++i) out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(add[i]));
+    for (size_t i = 0; i < values; ++i) out[i] = to_bf16_as_torch(bf16_to_float(out[i]) + bf16_to_float(add[i]));
   }
   release(&call);
   return ok;
