@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kt_kernel.__main__ import main as kt_main
+from kt_kernel.formats import FORMATS
 from kt_kernel.loader import VARIANTS, missing_flags
 
 from conftest import HOST_FLAGS, REPO
@@ -140,3 +141,41 @@ def test_forced_builds_hold_torch_to_their_instruction_set():
         ((build, env),) = variant_runs("avx512-plain")
         assert build == "avx512" and env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
         assert env["KT_KERNEL_DISABLE_AVX512_BF16"] == "1"
+
+
+def guard_row(fmt: str, ms: float, torch_ms: float) -> dict:
+    return {"variant": "avx2", "shape": "tiny", "format": fmt, "tokens": 64, "median_ms": ms,
+            "torch_median_ms": torch_ms, "speedup_vs_torch": torch_ms / ms}  # fmt: skip
+
+
+@pytest.mark.parametrize("retry_ms, status", [(1.0, 0), (3.0, 1)])
+def test_guard_retries_a_slower_row_once_and_fails_when_it_is_slower_again(
+    monkeypatch, capsys, retry_ms, status
+):
+    """The guard's verdicts, on worker results made up here (the real rows are timed by CI's run)."""
+    from kt_kernel import bench
+
+    calls = []
+
+    def fake_workers(args, runs):
+        calls.append((list(args.format), runs))
+        if len(calls) == 1:
+            return [{"rows": [guard_row("bf16", 1.0, 2.0), guard_row("int8", 3.0, 2.0)]}]
+        return [{"rows": [guard_row("int8", retry_ms, 2.0)]}]
+
+    monkeypatch.setattr(bench, "run_workers", fake_workers)
+    monkeypatch.setattr(bench, "variant_runs", lambda spec: [("avx2", {"X": spec})])
+    assert kt_main(["bench", "--guard", "--shape", "tiny", "--tokens", "64"]) == status
+    assert [formats for formats, _ in calls] == [[f.lower() for f in FORMATS], ["int8"]]
+    assert calls[1][1] == [("avx2", {"X": "all"})]  # the retry runs the slow row's build alone
+    out = capsys.readouterr().out
+    assert "retried; first 3.00 vs 2.00 ms" in out
+    assert ("guard FAILED: slower than torch twice: avx2 int8 T=64" in out) == bool(status)
+
+
+@pytest.mark.parametrize(
+    "options", [("--model", "tiny"), ("--quick",), ("--no-torch",), ("--activations", "int8")]
+)
+def test_guard_refuses_options_it_cannot_honour(options, capsys):
+    assert kt_main(["bench", "--guard", *options]) == 2
+    assert "--guard" in capsys.readouterr().err

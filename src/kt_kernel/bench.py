@@ -504,7 +504,7 @@ def run_model_worker(args: argparse.Namespace) -> dict:
                 row_dram = ext.measure_read_bandwidth(args.threads, 1 << 28, 3) if decode else None
                 inside, waiting, touched = time_steps(layers, shape, tokens, between, args)
                 # Each set's layer back to back, the median over the sets: the same work may read
-                # slower from one set's memory than another's (docs/performance.md).
+                # slower from one set's memory than another's (docs/perf-log/, the model-stack notes).
                 inputs, budget = call_inputs(shape, tokens, args.calls + 2), args.row_seconds / sets
                 per_set = [
                     time_calls(moe.forward, inputs, budget, min(5, args.calls), args.calls, 1)
@@ -724,6 +724,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu", action="store_true",
         help="time calls with CUDA tensors on a CUDA stream next to CPU tensors (needs torch with CUDA)",
     )  # fmt: skip
+    parser.add_argument(
+        "--guard", action="store_true",
+        help="CI's guard: prefill rows of every format on every build this CPU runs beside torch; exit "
+        "status 1 when one is slower than torch twice (default qwen3-30b, T=512)",
+    )  # fmt: skip
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     model = parser.add_argument_group(
         "model mode", "a stack of layers of one shape, called in turn as a model does (docs/performance.md)"
@@ -794,12 +799,29 @@ def worker_command(args: argparse.Namespace, out: str) -> list[str]:
     return command
 
 
+def run_workers(args: argparse.Namespace, runs: list[tuple[str, dict[str, str]]]) -> list[dict]:
+    """One worker subprocess per (build, extra environment) of `runs`: their results, in order."""
+    workers = []
+    for variant, extra_env in runs:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            env = dict(os.environ) | extra_env
+            if variant:
+                env["KT_KERNEL_CPU_VARIANT"] = variant
+            subprocess.run(worker_command(args, out.name), env=env, check=True)
+            workers.append(json.loads(Path(out.name).read_text()))
+    return workers
+
+
 def main(args: argparse.Namespace) -> int:
     problem = check_model_arguments(args)
     if problem:
         return usage_error(problem)
     if args.quick:
         args.shape, args.tokens, args.calls = ["qwen3-30b"], [1, 64], 10
+    if args.guard:
+        from . import bench_guard
+
+        return bench_guard.main(args)
     args.shape = args.shape or list(DEFAULT_SHAPES)
     args.tokens = args.tokens or list(MODEL_TOKENS if args.model else TOKENS)
     if args.gpu:
@@ -816,14 +838,7 @@ def main(args: argparse.Namespace) -> int:
         runs = variant_runs(args.variant)
     except ValueError as error:
         return usage_error(str(error))
-    workers = []
-    for variant, extra_env in runs:
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            env = dict(os.environ) | extra_env
-            if variant:
-                env["KT_KERNEL_CPU_VARIANT"] = variant
-            subprocess.run(worker_command(args, out.name), env=env, check=True)
-            workers.append(json.loads(Path(out.name).read_text()))
+    workers = run_workers(args, runs)
     machine = {"cpu": cpu_model(), "threads": args.threads,
                "dram_gbps": statistics.median(w["dram_gbps"] for w in workers)}  # fmt: skip
     if args.model:
