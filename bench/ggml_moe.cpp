@@ -1,6 +1,6 @@
 // The MoE layer of `python -m kt_kernel bench --model` run by ggml, for the comparison in
-// docs/performance.md ("Against ggml"). Not part of the package: build it against a ggml source tree
-// (ggml/ of llama.cpp, or the one vendored by the llama-cpp-python sdist):
+// docs/perf-log/2026-11-25-xeon-against-ggml.md. Not part of the package: build it against a ggml
+// source tree (ggml/ of llama.cpp, or the one vendored by the llama-cpp-python sdist):
 //
 //   cmake -S ggml -B ggml-build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DGGML_OPENMP=OFF
 //   cmake --build ggml-build -j

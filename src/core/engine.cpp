@@ -80,8 +80,8 @@ void require(bool condition, const std::string& message) {
 // Weights on transparent huge pages: THP in "madvise" mode, the common default, gives them only to
 // buffers that ask before they are first touched (the 2 MiB-aligned part of the buffer). On the
 // Xeon VM, 12 layers in turn ran 0.6-15 % faster, and the same layer call no longer ran up to 25 %
-// slower on the weight sets loaded first (docs/performance.md). Best effort: where the kernel
-// refuses, the buffer keeps 4 KiB pages.
+// slower on the weight sets loaded first (docs/perf-log/2026-11-24-xeon-model-stack-and-huge-pages.md).
+// Best effort: where the kernel refuses, the buffer keeps 4 KiB pages.
 void reserve_on_huge_pages(AlignedBuffer<uint8_t>& buffer, size_t bytes) {
   buffer.reserve(bytes);
   constexpr uintptr_t kPage = 4096;
