@@ -84,7 +84,7 @@ def test_sync_does_not_wait_for_the_deferred_experts():
     p = problems[0]
     layers[0].submit_forward(p.hidden, p.ids, p.weights)
     layers[0].sync_forward()
-    assert layers[0]._deferred_out is not None  # still the next call's: not collected by this sync
+    assert layers[0]._deferred.out is not None  # still the next call's: not collected by this sync
     with pytest.raises(RuntimeError, match="deferred experts are in flight"):
         layers[0].load_weights_from_tensors(p.gate, p.up, p.down)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import math
 import os
 import threading
 import weakref
@@ -14,11 +13,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, formats, stream_path, write_back
+from . import checkpoint, deferred, formats, stream_path, write_back
 from ._native import ext
+from .arguments import (
+    check_call_inputs,
+    check_gpu_mask,
+    initial_gpu_mask,
+    optional_non_negative,
+    require_addresses,
+    require_expert_ids,
+    require_int,
+)
 from .formats import require_shape
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
-from .weights import FLOAT_DTYPES, check_slot_map, prepare, require_cpu_tensor, require_tensor, subpool_slice
+from .weights import check_slot_map, prepare, subpool_slice
 
 __all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
 
@@ -31,63 +39,6 @@ THREADS_PER_CPU_LIMIT = 4
 LOAD_PARTS = 16
 #: Calls of up to this many tokens (decode) allocate the next call's output ahead (submit_forward).
 _SPARE_OUTPUT_MAX_TOKENS = 16
-
-
-def _require_int(name: str, value: object, minimum: int) -> int:
-    if value is None:
-        raise TypeError(f"{name} is required")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _optional_non_negative(name: str, value: object) -> float | None:
-    """None, or a finite float >= 0 (0 and None both mean off)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value}")
-    return float(value)
-
-
-def _require_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
-    """ValueError naming the first id outside [-1, num_experts), as the engine words it."""
-    bad = (ids < -1) | (ids >= num_experts)
-    if bool(bad.any()):
-        t, k = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"topk_ids[{t}, {k}] = {int(ids[t, k])} is outside [-1, {num_experts})")
-
-
-def _lowest_mappable_address() -> int:
-    """No buffer a caller hands over lies below this: /proc/sys/vm/mmap_min_addr, and at least
-    64 KiB (Linux's usual setting; a process's own memory starts far above it)."""
-    try:
-        with open("/proc/sys/vm/mmap_min_addr") as f:
-            return max(65536, int(f.read()))
-    except (OSError, ValueError):
-        return 65536
-
-
-_MIN_ADDRESS = _lowest_mappable_address()
-
-
-def _require_addresses(name: str, value: object, count: int) -> list[int]:
-    """``count`` memory addresses (a caller's data_ptr()s) given as a list or tuple: none below the
-    lowest address Linux maps (an int passed where a data_ptr() belongs), none past 2^64."""
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a list of data_ptr() addresses, got {type(value).__name__}")
-    if len(value) != count:
-        raise ValueError(f"{name} must hold gpu_tp_count = {count} addresses, got {len(value)}")
-    for index, address in enumerate(value):
-        if isinstance(address, bool) or not isinstance(address, int):
-            raise TypeError(f"{name}[{index}] must be an int address, got {type(address).__name__}")
-        if not _MIN_ADDRESS <= address < 2**64:
-            raise ValueError(f"{name}[{index}] = {address} is not a valid address (a tensor's data_ptr())")
-    return list(value)
 
 
 class KTMoEWrapper:
@@ -150,41 +101,41 @@ class KTMoEWrapper:
             raise NotImplementedError("SFT mode is not supported: kt_kernel runs inference only")
         if mode != "inference":
             raise ValueError(f"mode must be 'inference' (upstream's 'sft' is not supported), got {mode!r}")
-        self.layer_idx = _require_int("layer_idx", layer_idx, 0)
-        self.num_experts = _require_int("num_experts", num_experts, 1)
-        self.num_experts_per_tok = _require_int("num_experts_per_tok", num_experts_per_tok, 1)
+        self.layer_idx = require_int("layer_idx", layer_idx, 0)
+        self.num_experts = require_int("num_experts", num_experts, 1)
+        self.num_experts_per_tok = require_int("num_experts_per_tok", num_experts_per_tok, 1)
         if num_experts_per_tok > num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({num_experts_per_tok}) cannot exceed num_experts ({num_experts})"
             )
-        self.hidden_size = _require_int("hidden_size", hidden_size, 1)
-        self.moe_intermediate_size = _require_int("moe_intermediate_size", moe_intermediate_size, 1)
+        self.hidden_size = require_int("hidden_size", hidden_size, 1)
+        self.moe_intermediate_size = require_int("moe_intermediate_size", moe_intermediate_size, 1)
         for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", moe_intermediate_size)):
             if size > ext.MAX_DIMENSION:
                 raise ValueError(f"{name} must be <= {ext.MAX_DIMENSION}, got {size}")
-        self.cpuinfer_threads = _require_int("cpuinfer_threads", cpuinfer_threads, 1)
+        self.cpuinfer_threads = require_int("cpuinfer_threads", cpuinfer_threads, 1)
         usable_cpus = len(os.sched_getaffinity(0))
         if cpuinfer_threads > THREADS_PER_CPU_LIMIT * usable_cpus:
             raise ValueError(
                 f"cpuinfer_threads={cpuinfer_threads} is more than {THREADS_PER_CPU_LIMIT} x the "
                 f"{usable_cpus} CPUs this process may run on; extra threads would only take turns on them"
             )
-        self.threadpool_count = _require_int("threadpool_count", threadpool_count, 1)
+        self.threadpool_count = require_int("threadpool_count", threadpool_count, 1)
         if threadpool_count > cpuinfer_threads:
             raise ValueError(
                 f"threadpool_count ({threadpool_count}) cannot exceed cpuinfer_threads ({cpuinfer_threads}): "
                 "each subpool needs a thread"
             )
-        self.chunked_prefill_size = _require_int("chunked_prefill_size", chunked_prefill_size, 1)
-        deferred = 0
+        self.chunked_prefill_size = require_int("chunked_prefill_size", chunked_prefill_size, 1)
+        per_token = 0
         if max_deferred_experts_per_token is not None:
-            deferred = _require_int("max_deferred_experts_per_token", max_deferred_experts_per_token, 0)
-        if deferred >= num_experts_per_tok:
+            per_token = require_int("max_deferred_experts_per_token", max_deferred_experts_per_token, 0)
+        if per_token >= num_experts_per_tok:
             raise ValueError(
-                f"max_deferred_experts_per_token ({deferred}) must be less than num_experts_per_tok "
+                f"max_deferred_experts_per_token ({per_token}) must be less than num_experts_per_tok "
                 f"({num_experts_per_tok})"
             )
-        self.max_deferred_experts_per_token = deferred
+        self.max_deferred_experts_per_token = per_token
         self._format = formats.get(method)
         self._format.check_dimensions(
             {"hidden_size": hidden_size, "moe_intermediate_size": moe_intermediate_size}
@@ -194,8 +145,8 @@ class KTMoEWrapper:
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)
         self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
-        self.swiglu_limit = _optional_non_negative("swiglu_limit", swiglu_limit)
-        self.swiglu_alpha = _optional_non_negative("swiglu_alpha", swiglu_alpha)
+        self.swiglu_limit = optional_non_negative("swiglu_limit", swiglu_limit)
+        self.swiglu_alpha = optional_non_negative("swiglu_alpha", swiglu_alpha)
         if not isinstance(int8_activations, bool):
             raise TypeError(f"int8_activations must be a bool, got {type(int8_activations).__name__}")
         self.int8_activations = int8_activations
@@ -205,7 +156,7 @@ class KTMoEWrapper:
             )
         self.skip_gpu_expert_cpu_copy = skip_gpu_expert_cpu_copy
         # The engines read this tensor's memory at every submit: it is replaced only in place.
-        self._gpu_experts_mask = self._initial_gpu_mask(gpu_experts_mask, num_gpu_experts)
+        self._gpu_experts_mask = initial_gpu_mask(gpu_experts_mask, num_gpu_experts, num_experts)
         self._gpu_mask_address = self._gpu_experts_mask.data_ptr()
         self._mask_shape = (num_experts,)
         self._layer, self._pools, self._subpools = plan_subpools(
@@ -216,17 +167,14 @@ class KTMoEWrapper:
             int8_activations=int8_activations, swiglu_limit=self.swiglu_limit or 0.0,
             swiglu_alpha=self.swiglu_alpha or 0.0,
         )  # fmt: skip
-        # Deferred experts run as a second call of this layer, on the same weights and threads; its
-        # output (guarded by _deferred_lock) goes into the next call's output (see submit_forward).
-        self._deferred_layer = self._layer.twin() if deferred else None
-        self._deferred_out: torch.Tensor | None = None  # the deferred call in flight, if any
-        self._deferred_closed_out: torch.Tensor | None = None  # its output, kept by close() for its taker
-        self._deferred_taker: KTMoEWrapper | None = None  # the wrapper whose call took it to add
-        self._adds: torch.Tensor | KTMoEWrapper | None = None  # what the call in flight adds
-        # The stream path, made at the first call with a CUDA stream, and its call whose deferred
-        # experts the next call adds (guarded by _deferred_lock).
+        # Deferred experts run as a second call of this layer, on the same weights and threads; their
+        # output goes into the next call's output (kt_kernel.deferred, submit_forward).
+        self._deferred = (
+            deferred.DeferredExperts(layer_idx, self._layer.twin(), per_token) if per_token else None
+        )
+        self._adds: torch.Tensor | deferred.DeferredExperts | None = None  # what the call in flight adds
+        # The stream path, made at the first call with a CUDA stream.
         self._stream: stream_path.StreamForward | None = None
-        self._stream_deferred: stream_path.StreamCall | None = None
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
         self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
@@ -271,31 +219,6 @@ class KTMoEWrapper:
             self._require_idle("query the worker threads")
             return [sp.engine.worker_cpus() for sp in self._subpools]
 
-    def _initial_gpu_mask(
-        self, mask: torch.Tensor | Sequence[bool] | int | None, count: int | None
-    ) -> torch.Tensor:
-        if isinstance(mask, int) and not isinstance(mask, bool):
-            # Upstream's older signature had num_gpu_experts in gpu_experts_mask's place.
-            if count is not None and count != mask:
-                raise ValueError(f"num_gpu_experts is given twice: {mask} and {count}")
-            mask, count = None, mask
-        if count is not None:
-            _require_int("num_gpu_experts", count, 0)
-            if count > self.num_experts:
-                raise ValueError(f"num_gpu_experts ({count}) cannot exceed num_experts ({self.num_experts})")
-        if mask is None:
-            # Upstream's num_gpu_experts = n puts experts 0..n-1 on the GPU.
-            checked = torch.zeros(self.num_experts, dtype=torch.bool)
-            checked[: count or 0] = True
-            return checked
-        checked = self._check_gpu_mask(mask)
-        if count is not None and int(checked.sum()) != count:
-            raise ValueError(
-                f"num_gpu_experts={count} disagrees with gpu_experts_mask, "
-                f"which marks {int(checked.sum())} experts"
-            )
-        return checked
-
     @property
     def gpu_experts_mask(self) -> torch.Tensor:
         """CPU bool [num_experts]: True = computed on the GPU, skipped here. Update it in place or
@@ -304,7 +227,7 @@ class KTMoEWrapper:
 
     @gpu_experts_mask.setter
     def gpu_experts_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> None:
-        checked, current = self._check_gpu_mask(mask), self._gpu_experts_mask
+        checked, current = check_gpu_mask(mask, self.num_experts), self._gpu_experts_mask
         # In place (a reference the caller kept stays live), unless the caller broke its storage.
         if current.is_cpu and current.dtype == torch.bool and current.shape == self._mask_shape:
             current.copy_(checked)
@@ -332,29 +255,6 @@ class KTMoEWrapper:
             raise TypeError(f"gpu_experts_mask must stay a bool tensor, got {mask.dtype}")
         require_shape("gpu_experts_mask", mask, self._mask_shape, "[num_experts]")
         self._gpu_mask_address = mask.data_ptr()
-
-    def _check_gpu_mask(self, mask: torch.Tensor | Sequence[bool] | None) -> torch.Tensor:
-        if mask is None:
-            return torch.zeros(self.num_experts, dtype=torch.bool)
-        if isinstance(mask, torch.Tensor):
-            if mask.layout != torch.strided:
-                raise TypeError(f"gpu_experts_mask must be a dense tensor, got layout {mask.layout}")
-            if mask.is_meta:
-                raise ValueError("gpu_experts_mask is a meta tensor: it holds no values")
-        elif not isinstance(mask, (list, tuple)):
-            raise TypeError(
-                f"gpu_experts_mask must be a bool tensor or a list of bools, got {type(mask).__name__}"
-            )
-        try:
-            mask = torch.as_tensor(mask)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(f"gpu_experts_mask must be a bool tensor or a list of bools: {error}") from error
-        if mask.device.type != "cpu":
-            mask = mask.cpu()  # a mask is tiny; a GPU-side one is welcome
-        if mask.dtype != torch.bool:
-            raise TypeError(f"gpu_experts_mask must be a bool tensor, got {mask.dtype}")
-        require_shape("gpu_experts_mask", mask, (self.num_experts,), "[num_experts]")
-        return mask.clone(memory_format=torch.contiguous_format)  # the engines read its memory
 
     # ---- weights ------------------------------------------------------------------------------
     def load_weights_from_tensors(
@@ -553,13 +453,13 @@ class KTMoEWrapper:
                 self._drop_in_flight()
                 raise
 
-    def _drop_orphaned_call(self, adds: torch.Tensor | KTMoEWrapper | None = None) -> None:
+    def _drop_orphaned_call(self, adds: torch.Tensor | deferred.DeferredExperts | None = None) -> None:
         """Wait for the engines' call and for the deferred experts it took (`adds`), and drop both."""
         try:
             if self._layer.pending:
                 self._layer.sync()
-            if isinstance(adds, KTMoEWrapper):
-                adds._collect_deferred()  # frees that layer for its next call
+            if isinstance(adds, deferred.DeferredExperts):
+                adds.collect()  # frees that layer for its next call
         except (RuntimeError, ValueError):
             pass  # the call's own error: it is dropped with it
 
@@ -610,34 +510,36 @@ class KTMoEWrapper:
             if self._interrupted:  # a call an interrupt may have left behind mid-way: finish it, drop it
                 self._interrupted = False
                 self._drop_orphaned_call()
-            x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights)
+            x, ids, weights = check_call_inputs(
+                hidden_states, topk_ids, topk_weights, self.hidden_size, self.num_experts_per_tok
+            )
             tokens = x.shape[0]
             out = self._spare_out if self._spare_tokens == tokens else None
             if out is None:
                 out = torch.empty_like(x)
             self._spare_out = None
-            deferred_ids = None
-            if self._deferred_layer is not None and tokens > 0:
+            deferred_ids, own = None, self._deferred
+            if own is not None and tokens > 0:
                 # Refused before anything starts: a call that fails half-way (its deferred part) would
                 # leave the engines writing memory nobody holds.
-                if self._deferred_out is not None and KTMoEWrapper._pending() is not self:
-                    taker = self._deferred_taker
-                    if taker is not None and taker._adds is self:
+                if own.out is not None and deferred.pending() is not own:
+                    taker = own.taker
+                    if taker is not None and taker._adds is own:
                         raise RuntimeError(
                             f"layer {self.layer_idx}'s deferred experts of its last call are being added by "
                             f"layer {taker.layer_idx}'s call, which has not been synced: sync it before "
                             "calling this layer again"
                         )
-                    self._collect_deferred()  # the call that took them was dropped (interrupted): drop them
-                _require_expert_ids(ids, self.num_experts)
+                    own.collect()  # the call that took them was dropped (interrupted): drop them
+                require_expert_ids(ids, self.num_experts)
                 ids, deferred_ids = self.select_deferred_experts(
-                    ids, weights, self.num_experts_per_tok - self.max_deferred_experts_per_token
+                    ids, weights, self.num_experts_per_tok - own.per_token
                 )
             # Once the engines write `out`, whatever is raised (a refused pass, or a KeyboardInterrupt
             # the moment the submit returns), the call is waited for before `out` can be freed.
             try:
                 if tokens > 0:
-                    # _check_inputs made them contiguous with the engine's dtypes and shapes. The
+                    # check_call_inputs made them contiguous with the engine's dtypes and shapes. The
                     # engines compare the mask with the one they hold (a memcmp) and update on change.
                     self._layer.submit_addresses(
                         x.data_ptr(), tokens, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
@@ -646,20 +548,20 @@ class KTMoEWrapper:
                 if 0 < tokens <= _SPARE_OUTPUT_MAX_TOKENS:
                     self._spare_out, self._spare_tokens = torch.empty_like(x), tokens
                 # Taken once this call is on its way, so a refused call leaves them for the next one.
-                self._adds = self._take_pending_deferred(tokens)
+                self._adds = deferred.take_pending(self, own, self.layer_idx, tokens)
                 if deferred_ids is not None:  # queued behind the call above: runs while the caller goes on
-                    with KTMoEWrapper._deferred_lock:
-                        self._deferred_out = torch.empty_like(x)  # held before the engines write it
+                    with deferred.LOCK:
+                        own.out = torch.empty_like(x)  # held before the engines write it
                         try:
-                            self._deferred_layer.submit_addresses(
+                            own.layer.submit_addresses(
                                 x.data_ptr(), x.shape[0], deferred_ids.data_ptr(), weights.data_ptr(),
-                                self._deferred_out.data_ptr(),
+                                own.out.data_ptr(),
                             )  # fmt: skip
                         except BaseException:
-                            if not self._deferred_layer.pending:
-                                self._deferred_out = None
+                            if not own.layer.pending:
+                                own.out = None
                             raise
-                        KTMoEWrapper._set_pending(self)
+                        deferred.set_pending(own)
                 self._in_flight = out  # the engines write it until sync
             except BaseException:
                 if self._in_flight is not out:
@@ -674,28 +576,32 @@ class KTMoEWrapper:
         device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu")
         # Conversions and the deferred split are torch operations: queued on the stream. Entering it
         # costs tens of microseconds, so calls that need neither (SGLang's) skip it.
-        plain = self._deferred_layer is None and stream_path.as_engine_reads(
-            hidden_states, topk_ids, topk_weights
-        )
+        own = self._deferred
+        plain = own is None and stream_path.as_engine_reads(hidden_states, topk_ids, topk_weights)
         with contextlib.nullcontext() if plain else stream_path.on_stream(stream, device):
-            x, ids, weights = self._check_inputs(hidden_states, topk_ids, topk_weights, on_device=True)
+            x, ids, weights = check_call_inputs(
+                hidden_states,
+                topk_ids,
+                topk_weights,
+                self.hidden_size,
+                self.num_experts_per_tok,
+                on_device=True,
+            )
             deferred_ids = None
-            if self._deferred_layer is not None and x.shape[0] > 0:
+            if own is not None and x.shape[0] > 0:
                 ids, deferred_ids = self.select_deferred_experts(
-                    ids.to(torch.int64),
-                    weights,
-                    self.num_experts_per_tok - self.max_deferred_experts_per_token,
+                    ids.to(torch.int64), weights, self.num_experts_per_tok - own.per_token
                 )
         if x.shape[0] == 0:
             self._in_flight = stream_path.StreamCall(stream, 0, 0, x.device, None, None, False)
             return
         if self._stream is None:
             self._stream = stream_path.StreamForward(
-                self._layer, self._deferred_layer, self.num_experts, self.hidden_size,
+                self._layer, own and own.layer, self.num_experts, self.hidden_size,
                 self.num_experts_per_tok, self.layer_idx % 2,
             )  # fmt: skip
-        pending = self._take_pending_deferred(x.shape[0], on_stream=True)
-        adds = None if pending is None else pending._stream_deferred
+        pending = deferred.take_pending(self, own, self.layer_idx, x.shape[0], on_stream=True)
+        adds = None if pending is None else pending.stream_call
         call = self._stream.submit(
             stream,
             x,
@@ -706,14 +612,14 @@ class KTMoEWrapper:
             KTMoEWrapper._capture_batch_sizes,
             self._gpu_mask_address,
         )
-        with KTMoEWrapper._deferred_lock:  # taken once this call is on its way, as on the direct path
+        with deferred.LOCK:  # taken once this call is on its way, as on the direct path
             if pending is not None:
-                pending._stream_deferred = None
-                if KTMoEWrapper._pending() is pending:
-                    KTMoEWrapper._set_pending(None)
+                pending.stream_call = None
+                if deferred.pending() is pending:
+                    deferred.set_pending(None)
             if deferred_ids is not None:
-                self._stream_deferred = call
-                KTMoEWrapper._set_pending(self)
+                own.stream_call = call
+                deferred.set_pending(own)
         self._in_flight = call
 
     def sync_forward(
@@ -748,8 +654,8 @@ class KTMoEWrapper:
                     self._layer.sync()  # with subpools: also sums their partial outputs into out
                     synced = True
                 adds = self._adds
-                if isinstance(adds, KTMoEWrapper):
-                    adds = adds._collect_deferred()
+                if isinstance(adds, deferred.DeferredExperts):
+                    adds = adds.collect()
                 if adds is not None:  # the deferred experts of the call before
                     out = (out.float() + adds.float()).to(torch.bfloat16)
             finally:
@@ -759,124 +665,22 @@ class KTMoEWrapper:
                     self._in_flight, self._adds = None, None
             return out
 
-    # ---- deferred experts (max_deferred_experts_per_token > 0) --------------------------------------
-    # Guards every wrapper's _deferred_out / _deferred_closed_out / _stream_deferred.
-    _deferred_lock: ClassVar[threading.Lock] = threading.Lock()
-    # Per thread (a stack of layers is driven by one thread; two stacks on two threads never see
-    # each other's work): .pending, the wrapper whose last call's deferred experts the thread's next
-    # call adds.
-    _chains: ClassVar[threading.local] = threading.local()
-
-    @classmethod
-    def _pending(cls) -> KTMoEWrapper | None:
-        return getattr(cls._chains, "pending", None)
-
-    @classmethod
-    def _set_pending(cls, wrapper: KTMoEWrapper | None) -> None:
-        cls._chains.pending = wrapper
-
+    # ---- deferred experts (max_deferred_experts_per_token > 0): kt_kernel.deferred ------------------
     def select_deferred_experts(
         self, expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Split routing into (immediate_ids, deferred_ids), as upstream: an expert among some token's
         ``protected_k`` highest-scored ones runs now for every token routed to it; the others are
         deferred. Entries not in a split are -1 there (as are -1 entries in both)."""
-        protected_k = max(0, min(int(protected_k), expert_ids.shape[-1]))
-        valid = expert_ids != -1
-        # The last slot soaks up ids out of range, which stay in a split for the engine to report (on
-        # a CUDA device an index out of range is a device-side assert, not an error).
-        E = self.num_experts
-        in_range = (expert_ids >= 0) & (expert_ids < E)
-        protected = torch.zeros(E + 1, dtype=torch.bool, device=expert_ids.device)
-        protected[E] = True
-        if protected_k:
-            top = torch.topk(expert_scores.masked_fill(~valid, float("-inf")), protected_k, dim=-1).indices
-            chosen = torch.gather(expert_ids, -1, top)
-            protected[torch.where((chosen >= 0) & (chosen < E), chosen, E).reshape(-1)] = True
-        now = protected[torch.where(in_range, expert_ids, E)] & valid
-        none = torch.full_like(expert_ids, -1)
-        return torch.where(now, expert_ids, none), torch.where(valid & ~now, expert_ids, none)
+        return deferred.split_routing(expert_ids, expert_scores, protected_k, self.num_experts)
 
-    def _take_pending_deferred(
-        self, tokens: int, on_stream: bool = False
-    ) -> torch.Tensor | KTMoEWrapper | stream_path.StreamCall | None:
-        """What this call adds to its output: the deferred experts of the process's last call (on a
-        stream: the wrapper whose _stream_deferred call it adds, left pending for the caller to take)."""
-        with KTMoEWrapper._deferred_lock:
-            pending = KTMoEWrapper._pending()
-            if pending is None:
-                return None
-            if on_stream != (pending._stream_deferred is not None):
-                raise RuntimeError(
-                    f"layer {pending.layer_idx}'s deferred experts are pending on the "
-                    f"{'stream' if pending._stream_deferred is not None else 'direct'} path and this call "
-                    "takes "
-                    "the other: calls with deferred experts must all be on a CUDA stream or none"
-                )
-            if on_stream:
-                if pending.layer_idx > self.layer_idx or pending._stream_deferred.tokens != tokens:
-                    raise RuntimeError(
-                        f"layer {pending.layer_idx}'s deferred experts ({pending._stream_deferred.tokens} "
-                        f"tokens) are pending and layer {self.layer_idx} starts a new pass or has {tokens} "
-                        "tokens: on a "
-                        "stream, give the last layer max_deferred_experts_per_token=0"
-                    )
-                return pending
-            if pending.layer_idx > self.layer_idx:
-                raise RuntimeError(
-                    f"layer {pending.layer_idx}'s deferred experts are still pending and layer "
-                    f"{self.layer_idx} starts a new pass: add KTMoEWrapper.flush_deferred() to the last "
-                    "layer's output, or give the last layer max_deferred_experts_per_token=0"
-                )
-            pending_tokens = pending._deferred_tokens()
-            if pending_tokens != tokens:
-                raise RuntimeError(
-                    f"layer {pending.layer_idx}'s deferred experts are for {pending_tokens} "
-                    f"tokens, this call has {tokens}: flush them first (KTMoEWrapper.flush_deferred())"
-                )
-            KTMoEWrapper._set_pending(None)
-            # This layer's own deferred call is about to be replaced: collect it now.
-            if pending is self:
-                return pending._collect_deferred_locked()
-            pending._deferred_taker = self
-            return pending
-
-    def _collect_deferred(self) -> torch.Tensor:
-        with KTMoEWrapper._deferred_lock:
-            return self._collect_deferred_locked()
-
-    def _deferred_tokens(self) -> int:
-        out = self._deferred_out if self._deferred_out is not None else self._deferred_closed_out
-        return out.shape[0]
-
-    def _collect_deferred_locked(self) -> torch.Tensor:
-        """Wait for this layer's deferred call and return its output (kept by close() if the layer
-        was closed meanwhile)."""
-        out, self._deferred_out = self._deferred_out, None
-        if out is None:
-            out, self._deferred_closed_out = self._deferred_closed_out, None
-            return out
-        self._deferred_layer.sync()
-        return out
-
-    @classmethod
-    def flush_deferred(cls) -> torch.Tensor | None:
+    @staticmethod
+    def flush_deferred() -> torch.Tensor | None:
         """Wait for the deferred experts no later call of this thread's stack has taken yet and
         return their [T, H] bf16 output (None if there are none): after the last layer, add it to
         that layer's output. (On a CUDA stream there is nothing to flush: the last layer must not
         defer; such experts are dropped here, with a RuntimeError saying so.)"""
-        with cls._deferred_lock:
-            pending = cls._pending()
-            cls._set_pending(None)
-            if pending is None:
-                return None
-            if pending._stream_deferred is not None:
-                pending._stream_deferred = None
-                raise RuntimeError(
-                    f"layer {pending.layer_idx}'s deferred experts were queued on a CUDA stream and are "
-                    "dropped: give the last layer of a stack on a stream max_deferred_experts_per_token=0"
-                )
-            return pending._collect_deferred_locked()
+        return deferred.flush()
 
     # ---- writing an expert back (SGLang uploads CPU experts to the GPU for long prefills) -------
     def submit_write_weight_scale_to_buffer(
@@ -915,19 +719,19 @@ class KTMoEWrapper:
                     "the buffers hold values and scales only"
                 )
             fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
-            tp = _require_int("gpu_tp_count", gpu_tp_count, 1)
+            tp = require_int("gpu_tp_count", gpu_tp_count, 1)
             down_group = self._scale_groups["down"]
             if inter % tp or (inter // tp) % max(down_group, 1):
                 keep = f" into whole blocks of {down_group} inputs per down scale" if down_group else ""
                 raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
-            expert = _require_int("expert_id", expert_id, 0)
+            expert = require_int("expert_id", expert_id, 0)
             if expert >= self.num_experts:
                 raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert}")
-            w13 = _require_addresses("w13_weight_ptrs", w13_weight_ptrs, tp)
-            w2 = _require_addresses("w2_weight_ptrs", w2_weight_ptrs, tp)
+            w13 = require_addresses("w13_weight_ptrs", w13_weight_ptrs, tp)
+            w2 = require_addresses("w2_weight_ptrs", w2_weight_ptrs, tp)
             if fmt.scale_groups:
-                s13 = _require_addresses("w13_scale_ptrs", w13_scale_ptrs, tp)
-                s2 = _require_addresses("w2_scale_ptrs", w2_scale_ptrs, tp)
+                s13 = require_addresses("w13_scale_ptrs", w13_scale_ptrs, tp)
+                s2 = require_addresses("w2_scale_ptrs", w2_scale_ptrs, tp)
             else:
                 for name, ptrs in (("w13_scale_ptrs", w13_scale_ptrs), ("w2_scale_ptrs", w2_scale_ptrs)):
                     if ptrs is not None and not isinstance(ptrs, (list, tuple)):
@@ -953,90 +757,34 @@ class KTMoEWrapper:
         Later calls raise RuntimeError. Runs by itself when the wrapper is garbage-collected and,
         for every wrapper still alive, when the interpreter exits."""
         with self._lock:
+            own = self._deferred
             try:
                 if self._stream is not None:  # queued host functions of this layer do nothing from now on
                     self._stream.close(
                         self._in_flight if isinstance(self._in_flight, stream_path.StreamCall) else None
                     )
-                    if self._stream_deferred is not None:
-                        stream_path.BUFFERS.retire(self._stream_deferred.slot)
+                    if own is not None and own.stream_call is not None:
+                        stream_path.BUFFERS.retire(own.stream_call.slot)
                 elif self._in_flight is not None and self._in_flight.shape[0] > 0:
                     self._layer.sync()
-                with KTMoEWrapper._deferred_lock:
-                    self._stream_deferred = None
-                    if KTMoEWrapper._pending() is self:  # nobody will add them now
-                        KTMoEWrapper._set_pending(None)
-                    if self._deferred_out is not None:  # a later call took them: it gets them still
-                        self._deferred_closed_out = self._collect_deferred_locked()
+                with deferred.LOCK:
+                    if own is not None:
+                        own.stream_call = None
+                        if deferred.pending() is own:  # nobody will add them now
+                            deferred.set_pending(None)
+                        if own.out is not None:  # a later call took them: it gets them still
+                            own.closed_out = own.collect_locked()
             except RuntimeError:
                 pass  # a forward lost to fork(): nothing of it runs any more
             finally:
                 self._in_flight, self._adds = None, None
                 self._loaded = False
-                self._layer, self._subpools, self._pools, self._deferred_layer = None, [], None, None
+                self._layer, self._subpools, self._pools, self._deferred = None, [], None, None
                 self._spare_out = None
 
     def __del__(self) -> None:
         if getattr(self, "_lock", None) is not None:  # __init__ got that far
             self.close()
-
-    def _check_inputs(
-        self,
-        hidden_states: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-        on_device: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The inputs as the engine reads them: bf16 x, int64 ids, float32 weights, contiguous.
-        on_device (the stream path): on any one device, and int32 ids are kept (widened on the host)."""
-        # Each torch attribute is read once: with the caches cold from the call before, a read costs
-        # about a microsecond before a decode call starts.
-        if on_device:
-            x = require_tensor("hidden_states", hidden_states)
-            topk_ids = require_tensor("topk_ids", topk_ids, x.device)
-            topk_weights = require_tensor("topk_weights", topk_weights, x.device)
-        else:
-            x = require_cpu_tensor("hidden_states", hidden_states)
-        x_dtype, x_shape = x.dtype, x.shape
-        if x_dtype not in FLOAT_DTYPES:
-            raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x_dtype}")
-        if len(x_shape) < 2 or x_shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must have shape [..., tokens, hidden_size={self.hidden_size}], "
-                f"got {list(x_shape)}"
-            )
-        tokens = x_shape[0]
-        if len(x_shape) > 2:  # [B, T, H] -> [B*T, H], as upstream
-            x = x.reshape(-1, self.hidden_size)
-            tokens = x.shape[0]
-        if x_dtype != torch.bfloat16:
-            x = x.to(torch.bfloat16)  # the engine reads bf16 tokens: converted once, here
-        ids = topk_ids if on_device else require_cpu_tensor("topk_ids", topk_ids)
-        ids_dtype, ids_shape = ids.dtype, ids.shape
-        if ids_dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"topk_ids must be int64 or int32, got {ids_dtype}")
-        weights = topk_weights if on_device else require_cpu_tensor("topk_weights", topk_weights)
-        weights_dtype, weights_shape = weights.dtype, weights.shape
-        if not weights_dtype.is_floating_point:
-            raise TypeError(f"topk_weights must be a floating-point tensor, got {weights_dtype}")
-        if len(ids_shape) > 2:
-            ids = ids.reshape(-1, ids_shape[-1])
-            ids_shape = ids.shape
-        if len(weights_shape) > 2:
-            weights = weights.reshape(-1, weights_shape[-1])
-            weights_shape = weights.shape
-        if tokens * self.num_experts_per_tok >= 2**31:
-            raise ValueError(f"hidden_states has too many tokens ({tokens}) for one call")
-        expected = (tokens, self.num_experts_per_tok)
-        require_shape("topk_ids", ids_shape, expected, "[tokens, num_experts_per_tok]")
-        require_shape("topk_weights", weights_shape, expected, "[tokens, num_experts_per_tok]")
-        # Expert ids are range-checked by the engine while it buckets them (ValueError).
-        # (.to() costs about 1 us even when the dtype already matches: a tiny call is about 20 us)
-        if ids_dtype != torch.int64 and not (on_device and ids_dtype == torch.int32):
-            ids = ids.to(torch.int64)
-        if weights_dtype != torch.float32:
-            weights = weights.to(torch.float32)
-        return x.contiguous(), ids.contiguous(), weights.contiguous()
 
     def _require_idle(self, action: str, deferred_too: bool = True, stream_too: bool = True) -> None:
         """Refuse `action` on a closed wrapper, with a forward in flight, (deferred_too) while this
@@ -1046,17 +794,18 @@ class KTMoEWrapper:
             raise RuntimeError(f"cannot {action}: this wrapper is closed")
         if self._in_flight is not None:
             raise RuntimeError(f"cannot {action} while a forward is in flight: call sync_forward first")
+        own = self._deferred
         if (
             stream_too
             and self._stream is not None
-            and (self._stream.layer.outstanding or self._stream_deferred)
+            and (self._stream.layer.outstanding or own and own.stream_call)
         ):
             raise RuntimeError(
                 f"cannot {action} while calls of this layer queued on a CUDA stream have not run: "
                 "synchronize "
                 "the stream first"
             )
-        if deferred_too and self._deferred_out is not None:
+        if deferred_too and own is not None and own.out is not None:
             raise RuntimeError(
                 f"cannot {action} while this layer's deferred experts are in flight: sync the next layer "
                 "or call KTMoEWrapper.flush_deferred() first"
@@ -1066,7 +815,7 @@ class KTMoEWrapper:
     @classmethod
     def set_capture_batch_sizes(cls, batch_sizes: Sequence[int]) -> None:
         """Record the batch sizes a CUDA-graph runner captures (kept for upstream compatibility)."""
-        cls._capture_batch_sizes = [_require_int("batch size", int(b), 1) for b in batch_sizes]
+        cls._capture_batch_sizes = [require_int("batch size", int(b), 1) for b in batch_sizes]
 
     @classmethod
     def get_capture_batch_sizes(cls) -> list[int]:
@@ -1087,15 +836,17 @@ class KTMoEWrapper:
                 stream = wrapper._stream
                 busy_streams |= stream is not None and (
                     wrapper._in_flight is not None
-                    or wrapper._stream_deferred is not None
+                    or wrapper._deferred is not None
+                    and wrapper._deferred.stream_call is not None
                     or stream.layer.outstanding > 0
                 )
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()
                     wrapper._spare_out, wrapper._spare_tokens = None, -1
-                    with cls._deferred_lock:
-                        if wrapper._deferred_layer is not None and wrapper._deferred_out is None:
-                            wrapper._deferred_layer.release_scratch()
+                    own = wrapper._deferred
+                    with deferred.LOCK:
+                        if own is not None and own.out is None:
+                            own.layer.release_scratch()
             finally:
                 wrapper._lock.release()
         if not busy_streams:
@@ -1109,7 +860,7 @@ class KTMoEWrapper:
     @classmethod
     def _after_fork_in_child(cls) -> None:
         # Another thread of the parent may have held a lock at the fork; it does not exist here.
-        cls._deferred_lock = threading.Lock()
+        deferred.after_fork_in_child()
         stream_path.BUFFERS.after_fork_in_child()
         for wrapper in list(cls._instances):
             wrapper._lock = threading.Lock()

@@ -1,0 +1,181 @@
+"""What callers hand KTMoEWrapper, checked: ints and options, the GPU mask, a call's inputs, expert
+ids, buffer addresses. Each check raises the TypeError or ValueError that names the argument."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .formats import require_shape
+from .weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
+
+
+def require_int(name: str, value: object, minimum: int) -> int:
+    if value is None:
+        raise TypeError(f"{name} is required")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def optional_non_negative(name: str, value: object) -> float | None:
+    """None, or a finite float >= 0 (0 and None both mean off)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (or None), got {value}")
+    return float(value)
+
+
+def require_expert_ids(ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError naming the first id outside [-1, num_experts), as the engine words it."""
+    bad = (ids < -1) | (ids >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"topk_ids[{t}, {k}] = {int(ids[t, k])} is outside [-1, {num_experts})")
+
+
+def _lowest_mappable_address() -> int:
+    """No buffer a caller hands over lies below this: /proc/sys/vm/mmap_min_addr, and at least
+    64 KiB (Linux's usual setting; a process's own memory starts far above it)."""
+    try:
+        with open("/proc/sys/vm/mmap_min_addr") as f:
+            return max(65536, int(f.read()))
+    except (OSError, ValueError):
+        return 65536
+
+
+_MIN_ADDRESS = _lowest_mappable_address()
+
+
+def require_addresses(name: str, value: object, count: int) -> list[int]:
+    """``count`` memory addresses (a caller's data_ptr()s) given as a list or tuple: none below the
+    lowest address Linux maps (an int passed where a data_ptr() belongs), none past 2^64."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of data_ptr() addresses, got {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} must hold gpu_tp_count = {count} addresses, got {len(value)}")
+    for index, address in enumerate(value):
+        if isinstance(address, bool) or not isinstance(address, int):
+            raise TypeError(f"{name}[{index}] must be an int address, got {type(address).__name__}")
+        if not _MIN_ADDRESS <= address < 2**64:
+            raise ValueError(f"{name}[{index}] = {address} is not a valid address (a tensor's data_ptr())")
+    return list(value)
+
+
+def initial_gpu_mask(
+    mask: torch.Tensor | Sequence[bool] | int | None, count: int | None, num_experts: int
+) -> torch.Tensor:
+    """The wrapper's gpu_experts_mask from its two ways of saying it (upstream's num_gpu_experts=n:
+    experts 0..n-1)."""
+    if isinstance(mask, int) and not isinstance(mask, bool):
+        # Upstream's older signature had num_gpu_experts in gpu_experts_mask's place.
+        if count is not None and count != mask:
+            raise ValueError(f"num_gpu_experts is given twice: {mask} and {count}")
+        mask, count = None, mask
+    if count is not None:
+        require_int("num_gpu_experts", count, 0)
+        if count > num_experts:
+            raise ValueError(f"num_gpu_experts ({count}) cannot exceed num_experts ({num_experts})")
+    if mask is None:
+        # Upstream's num_gpu_experts = n puts experts 0..n-1 on the GPU.
+        checked = torch.zeros(num_experts, dtype=torch.bool)
+        checked[: count or 0] = True
+        return checked
+    checked = check_gpu_mask(mask, num_experts)
+    if count is not None and int(checked.sum()) != count:
+        raise ValueError(
+            f"num_gpu_experts={count} disagrees with gpu_experts_mask, "
+            f"which marks {int(checked.sum())} experts"
+        )
+    return checked
+
+
+def check_gpu_mask(mask: torch.Tensor | Sequence[bool] | None, num_experts: int) -> torch.Tensor:
+    """A new contiguous CPU bool [num_experts] copy of a mask given as a tensor or list."""
+    if mask is None:
+        return torch.zeros(num_experts, dtype=torch.bool)
+    if isinstance(mask, torch.Tensor):
+        if mask.layout != torch.strided:
+            raise TypeError(f"gpu_experts_mask must be a dense tensor, got layout {mask.layout}")
+        if mask.is_meta:
+            raise ValueError("gpu_experts_mask is a meta tensor: it holds no values")
+    elif not isinstance(mask, (list, tuple)):
+        raise TypeError(
+            f"gpu_experts_mask must be a bool tensor or a list of bools, got {type(mask).__name__}"
+        )
+    try:
+        mask = torch.as_tensor(mask)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"gpu_experts_mask must be a bool tensor or a list of bools: {error}") from error
+    if mask.device.type != "cpu":
+        mask = mask.cpu()  # a mask is tiny; a GPU-side one is welcome
+    if mask.dtype != torch.bool:
+        raise TypeError(f"gpu_experts_mask must be a bool tensor, got {mask.dtype}")
+    require_shape("gpu_experts_mask", mask, (num_experts,), "[num_experts]")
+    return mask.clone(memory_format=torch.contiguous_format)  # the engines read its memory
+
+
+def check_call_inputs(
+    hidden_states: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    hidden_size: int,
+    top_k: int,
+    on_device: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs as the engine reads them: bf16 x, int64 ids, float32 weights, contiguous.
+    on_device (the stream path): on any one device, and int32 ids are kept (widened on the host)."""
+    # Each torch attribute is read once: with the caches cold from the call before, a read costs
+    # about a microsecond before a decode call starts.
+    if on_device:
+        x = require_tensor("hidden_states", hidden_states)
+        topk_ids = require_tensor("topk_ids", topk_ids, x.device)
+        topk_weights = require_tensor("topk_weights", topk_weights, x.device)
+    else:
+        x = require_cpu_tensor("hidden_states", hidden_states)
+    x_dtype, x_shape = x.dtype, x.shape
+    if x_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"hidden_states must be bfloat16, float16 or float32, got {x_dtype}")
+    if len(x_shape) < 2 or x_shape[-1] != hidden_size:
+        raise ValueError(
+            f"hidden_states must have shape [..., tokens, hidden_size={hidden_size}], got {list(x_shape)}"
+        )
+    tokens = x_shape[0]
+    if len(x_shape) > 2:  # [B, T, H] -> [B*T, H], as upstream
+        x = x.reshape(-1, hidden_size)
+        tokens = x.shape[0]
+    if x_dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)  # the engine reads bf16 tokens: converted once, here
+    ids = topk_ids if on_device else require_cpu_tensor("topk_ids", topk_ids)
+    ids_dtype, ids_shape = ids.dtype, ids.shape
+    if ids_dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"topk_ids must be int64 or int32, got {ids_dtype}")
+    weights = topk_weights if on_device else require_cpu_tensor("topk_weights", topk_weights)
+    weights_dtype, weights_shape = weights.dtype, weights.shape
+    if not weights_dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be a floating-point tensor, got {weights_dtype}")
+    if len(ids_shape) > 2:
+        ids = ids.reshape(-1, ids_shape[-1])
+        ids_shape = ids.shape
+    if len(weights_shape) > 2:
+        weights = weights.reshape(-1, weights_shape[-1])
+        weights_shape = weights.shape
+    if tokens * top_k >= 2**31:
+        raise ValueError(f"hidden_states has too many tokens ({tokens}) for one call")
+    expected = (tokens, top_k)
+    require_shape("topk_ids", ids_shape, expected, "[tokens, num_experts_per_tok]")
+    require_shape("topk_weights", weights_shape, expected, "[tokens, num_experts_per_tok]")
+    # Expert ids are range-checked by the engine while it buckets them (ValueError).
+    # (.to() costs about 1 us even when the dtype already matches: a tiny call is about 20 us)
+    if ids_dtype != torch.int64 and not (on_device and ids_dtype == torch.int32):
+        ids = ids.to(torch.int64)
+    if weights_dtype != torch.float32:
+        weights = weights.to(torch.float32)
+    return x.contiguous(), ids.contiguous(), weights.contiguous()

@@ -1,0 +1,145 @@
+"""Deferred experts (``max_deferred_experts_per_token`` > 0): the queue from one layer to the next.
+
+A layer's call may leave its lowest-scored experts running on a twin of its engines after it
+returns; the next call of the same thread's stack adds their output to its own. Per thread (a stack
+of layers is driven by one thread; two stacks on two threads never see each other's work) the chain
+holds the layer whose last call's deferred experts that thread's next call adds. LOCK guards every
+layer's deferred state here and the chains.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+LOCK = threading.Lock()
+_chains = threading.local()
+
+
+def pending() -> DeferredExperts | None:
+    """The deferred experts this thread's next call adds (None: none)."""
+    return getattr(_chains, "pending", None)
+
+
+def set_pending(experts: DeferredExperts | None) -> None:
+    _chains.pending = experts
+
+
+def after_fork_in_child() -> None:
+    global LOCK
+    LOCK = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+def split_routing(
+    expert_ids: torch.Tensor, expert_scores: torch.Tensor, protected_k: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(immediate_ids, deferred_ids), as upstream: an expert among some token's ``protected_k``
+    highest-scored ones runs now for every token routed to it; the others are deferred. Entries not in
+    a split are -1 there (as are -1 entries in both)."""
+    protected_k = max(0, min(int(protected_k), expert_ids.shape[-1]))
+    valid = expert_ids != -1
+    # The last slot soaks up ids out of range, which stay in a split for the engine to report (on a
+    # CUDA device an index out of range is a device-side assert, not an error).
+    E = num_experts
+    in_range = (expert_ids >= 0) & (expert_ids < E)
+    protected = torch.zeros(E + 1, dtype=torch.bool, device=expert_ids.device)
+    protected[E] = True
+    if protected_k:
+        top = torch.topk(expert_scores.masked_fill(~valid, float("-inf")), protected_k, dim=-1).indices
+        chosen = torch.gather(expert_ids, -1, top)
+        protected[torch.where((chosen >= 0) & (chosen < E), chosen, E).reshape(-1)] = True
+    now = protected[torch.where(in_range, expert_ids, E)] & valid
+    none = torch.full_like(expert_ids, -1)
+    return torch.where(now, expert_ids, none), torch.where(valid & ~now, expert_ids, none)
+
+
+class DeferredExperts:
+    """One layer's deferred experts: the twin engines they run on and the call in flight."""
+
+    def __init__(self, layer_idx: int, layer, per_token: int) -> None:
+        self.layer_idx = layer_idx
+        self.layer = layer  # the twin of the layer's engines: same weights and threads
+        self.per_token = per_token  # max_deferred_experts_per_token
+        self.out: torch.Tensor | None = None  # the direct-path call in flight, if any (under LOCK)
+        self.closed_out: torch.Tensor | None = None  # its output, kept by close() for its taker
+        self.taker = None  # the wrapper whose call took them to add
+        self.stream_call = None  # on a CUDA stream: the call whose deferred experts the next adds
+
+    def tokens(self) -> int:
+        out = self.out if self.out is not None else self.closed_out
+        return out.shape[0]
+
+    def collect(self) -> torch.Tensor:
+        with LOCK:
+            return self.collect_locked()
+
+    def collect_locked(self) -> torch.Tensor:
+        """Wait for the deferred call and return its output (kept by close() if the layer was closed
+        meanwhile)."""
+        out, self.out = self.out, None
+        if out is None:
+            out, self.closed_out = self.closed_out, None
+            return out
+        self.layer.sync()
+        return out
+
+
+def take_pending(
+    taker, own: DeferredExperts | None, layer_idx: int, tokens: int, on_stream: bool = False
+) -> torch.Tensor | DeferredExperts | None:
+    """What a call of layer ``layer_idx`` (the wrapper ``taker``, whose deferred experts are ``own``)
+    adds to its output: the deferred experts of this thread's last call, collected now if they are its
+    own, which this call is about to replace (on a stream: left for the caller to take)."""
+    with LOCK:
+        experts = pending()
+        if experts is None:
+            return None
+        if on_stream != (experts.stream_call is not None):
+            raise RuntimeError(
+                f"layer {experts.layer_idx}'s deferred experts are pending on the "
+                f"{'stream' if experts.stream_call is not None else 'direct'} path and this call takes "
+                "the other: calls with deferred experts must all be on a CUDA stream or none"
+            )
+        if on_stream:
+            if experts.layer_idx > layer_idx or experts.stream_call.tokens != tokens:
+                raise RuntimeError(
+                    f"layer {experts.layer_idx}'s deferred experts ({experts.stream_call.tokens} tokens) "
+                    f"are pending and layer {layer_idx} starts a new pass or has {tokens} tokens: on a "
+                    "stream, give the last layer max_deferred_experts_per_token=0"
+                )
+            return experts
+        if experts.layer_idx > layer_idx:
+            raise RuntimeError(
+                f"layer {experts.layer_idx}'s deferred experts are still pending and layer {layer_idx} "
+                "starts a new pass: add KTMoEWrapper.flush_deferred() to the last layer's output, or "
+                "give the last layer max_deferred_experts_per_token=0"
+            )
+        if experts.tokens() != tokens:
+            raise RuntimeError(
+                f"layer {experts.layer_idx}'s deferred experts are for {experts.tokens()} tokens, this "
+                f"call has {tokens}: flush them first (KTMoEWrapper.flush_deferred())"
+            )
+        set_pending(None)
+        if experts is own:
+            return experts.collect_locked()
+        experts.taker = taker
+        return experts
+
+
+def flush() -> torch.Tensor | None:
+    """Wait for the deferred experts no later call of this thread's stack has taken yet and return
+    their output (None if there are none); on a CUDA stream such experts are dropped, with a
+    RuntimeError saying so."""
+    with LOCK:
+        experts = pending()
+        set_pending(None)
+        if experts is None:
+            return None
+        if experts.stream_call is not None:
+            experts.stream_call = None
+            raise RuntimeError(
+                f"layer {experts.layer_idx}'s deferred experts were queued on a CUDA stream and are "
+                "dropped: give the last layer of a stack on a stream max_deferred_experts_per_token=0"
+            )
+        return experts.collect_locked()
