@@ -11,9 +11,11 @@
 
 #include "cpu_features.h"
 #include "engine.h"
+#include "linear.h"
 #include "formats.h"
 #include "kernels.h"
 #include "machine_probe.h"
+#include "subpools.h"
 
 namespace nb = nanobind;
 using kt::bf16_t;

@@ -6,6 +6,7 @@
 #include "cuda_runtime.h"
 #include "engine.h"
 #include "stream_calls.h"
+#include "subpools.h"
 
 namespace nb = nanobind;
 

@@ -1,15 +1,19 @@
-// The MoE expert engine: owns the packed expert weights and a thread pool, and computes
+// The MoE expert engine: runs calls on a layer's packed experts (packed_weights.h) on a thread pool,
 //   out[t] = sum_k w[t,k] * down_e( silu(gate_e(x_t)) * up_e(x_t) ),  e = ids[t,k]
 // for the routed experts kept on the CPU.
 #pragma once
 
 #include <exception>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "activation_rows.h"
 #include "common.h"
 #include "formats.h"
 #include "kernels.h"
+#include "packed_weights.h"
 #include "thread_pool.h"
 
 KT_NAMESPACE_BEGIN
@@ -20,76 +24,6 @@ struct MoEShape {
   int hidden;
   int intermediate;
 };
-
-// One projection (gate, up or down) of every expert, packed for the kernels.
-struct PackedProjection {
-  int rows = 0, k = 0, scale_group = 0;
-  size_t group_bytes = 0, group_scale_bytes = 0;
-  AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
-  AlignedBuffer<uint8_t> zeros;           // zero points (kernels.h), group_scale_bytes per group
-  bool has_zeros = false;
-
-  // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them.
-  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false);
-  // Zero points for every expert from now on; those packed so far get zero points of 0 (their
-  // weights unchanged): experts loaded in several calls, some with zero points, some without.
-  void add_zero_points(const FormatTraits& format, int experts);
-  // Expert `expert`'s zero points all 0 (packed as the format stores them).
-  void pack_zero_offsets(const FormatTraits& format, int expert);
-  uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
-  uint8_t* expert_scales(int expert) {
-    return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
-  }
-  uint8_t* expert_zeros(int expert) {
-    return has_zeros ? zeros.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes : nullptr;
-  }
-  // Groups [first, first + count) of one expert.
-  PackedGroups groups(int expert, int first, int count) const;
-};
-
-// The canonical (unpacked) weights of one projection for all source experts, in the format's
-// layout (FormatTraits): values [E, rows, row_bytes(k)], scales [E, rows, scales_per_row] or null,
-// and for a format with zero points optionally int8 zeros [E, rows, scales_per_row].
-struct SourceProjection {
-  const void* values;
-  const void* scales;
-  int scale_group = 0;
-  const void* zeros = nullptr;
-};
-
-// Activation rows quantized per row for the integer formats (storage behind QuantizedRows). Each
-// row is held by `parts` quantized rows (kernels.h): 2, the row and its residual, unless the
-// caller opted into plain int8 activations (1). Row r's parts are quantized rows r * parts + p.
-struct QuantizedBuffer {
-  AlignedBuffer<int8_t> values;
-  AlignedBuffer<float> scales;
-  AlignedBuffer<int32_t> running_sums;
-  size_t stride = 0;
-  int parts = 2;
-
-  void reserve(int rows, int k);
-  // Row `row` from x (k values), in the order `format`'s kernels read (MXFP4: octet order).
-  void quantize(int row, const bf16_t* x, int k, const FormatTraits& format);
-  // The quantized rows from row `first_row`'s first part on.
-  QuantizedRows view(int first_row = 0) const;
-  // Row `row`'s parts from row `src_row` of src (the same stride and parts).
-  void copy_row(int row, const QuantizedBuffer& src, int src_row);
-  // Zeros rows [first, first + count).
-  void zero_rows(int first, int count);
-  // Frees the rows (they grow back with reserve); stride and parts are kept.
-  void release();
-};
-
-// Adds each row's `parts` consecutive output rows of a GEMM on QuantizedBuffer rows (rows * parts
-// rows of `cols` floats, row stride `stride`) into its first `rows` rows.
-void sum_parts(float* y, int rows, int parts, int cols, size_t stride);
-
-// y[m][n] = x[m][k] . W[n][k] on the calling thread, W given like SourceProjection (one matrix):
-// the kernels without the MoE around them, for tests of odd shapes and kernel timing. Packs W once,
-// runs the GEMM `repeats` times and returns the mean seconds of one GEMM.
-// int8_activations: one quantized row per activation row (the opt-in lossy mode), not two.
-double linear(const FormatTraits& format, const bf16_t* x, int m, int k, SourceProjection w, int n, float* y,
-              int repeats = 1, bool int8_activations = false);
 
 // Calls of at most this many multiply-adds (tens of microseconds on one core) run on the caller.
 constexpr double kInlineMultiplyAdds = 2e6;
@@ -106,16 +40,10 @@ struct EngineOptions {
 
 enum class Projection { kGate, kUp, kDown };
 
-// The packed experts of a layer (or of a subpool's slice), shared by the engines that run calls on
-// them (MoEEngine::twin), with the set of experts computed elsewhere.
-struct ExpertWeights {
-  PackedProjection gate, up, down;
-  std::vector<uint8_t> skip;    // per expert: 1 = GPU-resident, its routing entries are ignored
-  std::vector<uint8_t> packed;  // per slot: its weights are packed (loads may come in parts)
-  bool loaded = false;          // every slot packed, or skipped (a GPU expert need not be in CPU memory)
-  // Whether every slot the engine may compute is packed.
-  bool ready() const;
-};
+// An invalid argument from the caller: std::invalid_argument (ValueError in Python).
+inline void require(bool condition, const std::string& message) {
+  if (!condition) throw std::invalid_argument(message);
+}
 
 class MoEEngine {
  public:
@@ -253,57 +181,6 @@ class MoEEngine {
   std::exception_ptr failure_;  // the first exception of the call in flight; set once failed_ is won
 
   std::shared_ptr<ThreadPool> pool_;
-};
-
-// The worker threads of the process (upstream's CPUInfer), shared by every layer: one ThreadPool
-// per subpool (threadpool_count), each with its share of the threads, pinned to its CPUs if given.
-class WorkerPools {
- public:
-  // threads[i] workers for subpool i, pinned to cpus[i] (empty: not pinned).
-  WorkerPools(const std::vector<int>& threads, const std::vector<std::vector<int>>& cpus);
-  int size() const { return int(pools_.size()); }
-  const std::shared_ptr<ThreadPool>& pool(int index) const { return pools_.at(index); }
-
- private:
-  std::vector<std::shared_ptr<ThreadPool>> pools_;
-};
-
-// The subpools of one layer (upstream's threadpool_count): one engine per contiguous slice of the
-// intermediate dimension, each on its pool of `pools` (pinned to a NUMA node's CPUs if asked). They
-// run concurrently; their fp32 partial outputs are summed in subpool order and rounded to bf16
-// once, in sync(). One subpool writes bf16 directly.
-class MoESubpools {
- public:
-  // shape.intermediate is the whole layer's; intermediates[i], subpool i's slice, must add up to it
-  // and name one slice per pool. Each engine gets `options` with its share of the inline threshold.
-  MoESubpools(MoEShape shape, const FormatTraits& format, const WorkerPools& pools, const std::vector<int>& intermediates,
-              const std::vector<int>& skip_experts, const EngineOptions& options = {});
-  MoESubpools(const MoESubpools&) = delete;
-  MoESubpools& operator=(const MoESubpools&) = delete;
-
-  int size() const { return int(engines_.size()); }
-  MoEEngine& engine(int index);  // for loading its slice of the weights
-  // Subpools on the same weights and threads for a second call in flight (MoEEngine::twin).
-  std::unique_ptr<MoESubpools> twin() const;
-  // As MoEEngine::submit / sync, for the whole layer.
-  void submit(const bf16_t* hidden, int tokens, const int64_t* ids, const float* weights, bf16_t* out);
-  void sync();
-  bool pending() const { return pending_; }
-  void release_scratch();
-  // As MoEEngine::set_gpu_experts, for every subpool.
-  void set_gpu_experts(const uint8_t* gpu_mask);
-
- private:
-  explicit MoESubpools(int hidden) : hidden_(hidden) {}  // for twin()
-
-  std::mutex api_mutex_;  // as MoEEngine's
-  // Declared first so it is destroyed last: an engine's destructor waits for a forward in flight.
-  std::vector<AlignedBuffer<float>> partials_;  // per subpool [tokens, hidden], first touched by its threads
-  std::vector<std::unique_ptr<MoEEngine>> engines_;
-  const int hidden_;
-  bf16_t* out_ = nullptr;
-  size_t out_count_ = 0;
-  bool pending_ = false;
 };
 
 KT_NAMESPACE_END

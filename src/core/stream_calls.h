@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common.h"
-#include "engine.h"
+#include "subpools.h"
 
 KT_NAMESPACE_BEGIN
 

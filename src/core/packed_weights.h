@@ -1,0 +1,64 @@
+// The experts' weights as the kernels read them: each projection packed per expert, from the
+// canonical layout of its format (FormatTraits), and a layer's set of them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "formats.h"
+#include "kernels.h"
+
+KT_NAMESPACE_BEGIN
+
+// One projection (gate, up or down) of every expert, packed for the kernels.
+struct PackedProjection {
+  int rows = 0, k = 0, scale_group = 0;
+  size_t group_bytes = 0, group_scale_bytes = 0;
+  AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
+  AlignedBuffer<uint8_t> zeros;           // zero points (kernels.h), group_scale_bytes per group
+  bool has_zeros = false;
+
+  // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them.
+  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false);
+  // Zero points for every expert from now on; those packed so far get zero points of 0 (their
+  // weights unchanged): experts loaded in several calls, some with zero points, some without.
+  void add_zero_points(const FormatTraits& format, int experts);
+  // Expert `expert`'s zero points all 0 (packed as the format stores them).
+  void pack_zero_offsets(const FormatTraits& format, int expert);
+  uint8_t* expert_values(int expert) { return values.data() + size_t(expert) * packed_groups(rows) * group_bytes; }
+  uint8_t* expert_scales(int expert) {
+    return scales.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes;
+  }
+  uint8_t* expert_zeros(int expert) {
+    return has_zeros ? zeros.data() + size_t(expert) * packed_groups(rows) * group_scale_bytes : nullptr;
+  }
+  // Groups [first, first + count) of one expert.
+  PackedGroups groups(int expert, int first, int count) const;
+};
+
+// The canonical (unpacked) weights of one projection for all source experts, in the format's
+// layout (FormatTraits): values [E, rows, row_bytes(k)], scales [E, rows, scales_per_row] or null,
+// and for a format with zero points optionally int8 zeros [E, rows, scales_per_row].
+struct SourceProjection {
+  const void* values;
+  const void* scales;
+  int scale_group = 0;
+  const void* zeros = nullptr;
+};
+
+// The packed experts of a layer (or of a subpool's slice), shared by the engines that run calls on
+// them (MoEEngine::twin), with the set of experts computed elsewhere.
+struct ExpertWeights {
+  PackedProjection gate, up, down;
+  std::vector<uint8_t> skip;    // per expert: 1 = GPU-resident, its routing entries are ignored
+  std::vector<uint8_t> packed;  // per slot: its weights are packed (loads may come in parts)
+  bool loaded = false;          // every slot packed, or skipped (a GPU expert need not be in CPU memory)
+  // Whether every slot the engine may compute is packed.
+  bool ready() const;
+};
+
+// Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
+void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert);
+
+KT_NAMESPACE_END
