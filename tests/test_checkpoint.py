@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from kt_kernel import KTMoEWrapper, quant
-from kt_kernel.checkpoint import CheckpointError
+from kt_kernel.safetensors_io import CheckpointError
 
 from moe_reference import make_problem
 

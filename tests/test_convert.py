@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from kt_kernel import checkpoint, convert, formats, quant
 from kt_kernel.__main__ import main
-from kt_kernel.checkpoint import CheckpointError
+from kt_kernel.safetensors_io import CheckpointError
 
 from moe_reference import MoEProblem, assert_close_to_reference, make_problem, moe_wrapper, reference_forward
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_fp8 import reference, write_model_dir
 
-from kt_kernel import checkpoint
+from kt_kernel import checkpoint, formats, sources
 
 from moe_reference import make_problem, moe_wrapper
 
@@ -164,6 +164,18 @@ def test_what_is_not_int4_is_refused(tmp_path):
     write_layer(tmp_path / "packed", "packed", 32)
     with pytest.raises(ValueError, match="holds INT4 experts .*not FP8"):
         checkpoint.read_layer(tmp_path / "packed", 0, E, "FP8")
+
+
+def test_the_format_registry_says_what_a_source_directory_is_read_in(tmp_path):
+    """A format without source_dtypes is read from converted checkpoints only (refused before the
+    directory is looked at); a layer's dtypes mean the quantized format they belong to, else BF16."""
+    for fmt in formats.FORMATS.values():
+        if not fmt.source_dtypes:
+            with pytest.raises(NotImplementedError, match="read from converted checkpoints"):
+                sources.read_source_layer(tmp_path / "absent", 0, E, fmt)
+    assert sources.stored_format(frozenset({"BF16", "F32"})) is formats.BF16
+    assert sources.stored_format(frozenset({"I4", "BF16"})) is formats.INT4
+    assert sources.stored_format(frozenset({"F8_E4M3", "F16"})) is formats.FP8
 
 
 @pytest.mark.parametrize("layout,asymmetric", [("packed", False), ("gptq", False), ("gptq", True)])

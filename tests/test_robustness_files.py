@@ -19,10 +19,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from test_convert import write_model
 
-from kt_kernel import checkpoint, convert, formats, quant
+from kt_kernel import checkpoint, convert, formats, quant, safetensors_io
 from kt_kernel.__main__ import main
-from kt_kernel.checkpoint import CheckpointError
 from kt_kernel.loader import load, read_cpuinfo
+from kt_kernel.safetensors_io import CheckpointError
 
 from conftest import REPO, run_python
 
@@ -86,16 +86,16 @@ def test_malformed_safetensors_names_the_file(tmp_path, content):
     file = tmp_path / "bad.safetensors"
     file.write_bytes(content)
     with pytest.raises(CheckpointError, match="bad.safetensors"):
-        checkpoint.read_safetensors_header(file)
+        safetensors_io.read_safetensors_header(file)
     with pytest.raises(CheckpointError, match="bad.safetensors"):
-        checkpoint.index_checkpoint(tmp_path)
+        safetensors_io.index_checkpoint(tmp_path)
 
 
 def test_well_formed_header_is_read(tmp_path):
     file = tmp_path / "ok.safetensors"
     header = {"__metadata__": {"k": "v"}, "a": tensor("F4", [4], 0, 2), "b": tensor("U8", [0, 5], 2, 2)}
     file.write_bytes(safetensors_bytes(header, b"12"))
-    read = checkpoint.read_safetensors_header(file)
+    read = safetensors_io.read_safetensors_header(file)
     assert read.tensors == {"a": ("F4", [4]), "b": ("U8", [0, 5])} and read.metadata == {"k": "v"}
 
 
@@ -105,7 +105,7 @@ def test_what_safetensors_refuses_is_a_checkpoint_error(tmp_path):
     file.write_bytes(safetensors_bytes({"a": tensor("U8", [2], 2, 4)}, b"1234"))
     with pytest.raises(CheckpointError, match="gap.safetensors: cannot read tensor 'a'"):
         with ExitStack() as stack:
-            checkpoint.TensorReader(checkpoint.index_checkpoint(file), stack).read("a")
+            safetensors_io.TensorReader(safetensors_io.index_checkpoint(file), stack).read("a")
 
 
 def test_fifos_are_refused_without_blocking(tmp_path):
@@ -113,13 +113,13 @@ def test_fifos_are_refused_without_blocking(tmp_path):
     write_model(directory, "deepseek", torch.bfloat16)
     os.mkfifo(directory / "zz-extra.safetensors")
     with pytest.raises(CheckpointError, match="zz-extra.safetensors: not a regular file"):
-        checkpoint.index_checkpoint(directory)
+        safetensors_io.index_checkpoint(directory)
     with pytest.raises(CheckpointError, match="zz-extra.safetensors: not a regular file"):
-        checkpoint.index_checkpoint(directory / "zz-extra.safetensors")  # a single-file checkpoint
+        safetensors_io.index_checkpoint(directory / "zz-extra.safetensors")  # a single-file checkpoint
     assert main(["convert", str(directory), str(tmp_path / "out"), "--format", "bf16"]) == 1
     os.mkfifo(tmp_path / "model.safetensors.index.json")
     with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a regular file"):
-        checkpoint.index_checkpoint(tmp_path)
+        safetensors_io.index_checkpoint(tmp_path)
 
 
 def test_fifo_shard_named_by_the_index_is_refused(tmp_path):
@@ -131,7 +131,7 @@ def test_fifo_shard_named_by_the_index_is_refused(tmp_path):
     with pytest.raises(
         CheckpointError, match="model-00002-of-00002.safetensors, which is not a regular file"
     ):
-        checkpoint.index_checkpoint(directory)
+        safetensors_io.index_checkpoint(directory)
 
 
 def test_index_naming_a_missing_shard(tmp_path):
@@ -139,7 +139,7 @@ def test_index_naming_a_missing_shard(tmp_path):
     write_model(directory, "deepseek", torch.bfloat16, shards=2)
     (directory / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="names the shard .*model-00001-of-00002.safetensors"):
-        checkpoint.index_checkpoint(directory)
+        safetensors_io.index_checkpoint(directory)
 
 
 def test_index_entry_absent_from_its_shard(tmp_path):
@@ -189,7 +189,7 @@ def test_malformed_weight_map_names_the_index(tmp_path, content):
     save_file({"a": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(content))
     with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
-        checkpoint.index_checkpoint(tmp_path)
+        safetensors_io.index_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +202,7 @@ def test_index_entries_stay_inside_the_directory(tmp_path, entry):
     save_file({"a": torch.zeros(2)}, str(tmp_path / "outside" / "x.safetensors"))
     (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": entry}}))
     with pytest.raises(CheckpointError, match=f"entry '{entry}' is not a file inside"):
-        checkpoint.index_checkpoint(directory)
+        safetensors_io.index_checkpoint(directory)
 
 
 def test_symlinked_shards_are_read(tmp_path):
@@ -216,16 +216,16 @@ def test_symlinked_shards_are_read(tmp_path):
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "./sub/model.safetensors"}})
     )
-    assert checkpoint.index_checkpoint(directory) == {"a": directory / "sub" / "model.safetensors"}
+    assert safetensors_io.index_checkpoint(directory) == {"a": directory / "sub" / "model.safetensors"}
 
 
 def test_index_read_is_bounded(tmp_path, monkeypatch):
     save_file({"a": torch.zeros(2)}, str(tmp_path / "a.safetensors"))
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a": "a.safetensors"}, "padding": "x" * 200}))
-    monkeypatch.setattr(checkpoint, "MAX_JSON_BYTES", 100)
+    monkeypatch.setattr(safetensors_io, "MAX_JSON_BYTES", 100)
     with pytest.raises(CheckpointError, match="index.json: larger than 100 bytes"):
-        checkpoint.index_checkpoint(tmp_path)
+        safetensors_io.index_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -434,7 +434,7 @@ def test_written_files_are_deterministic(tmp_path, stack):
         subprocess.run([sys.executable, "-c", code, *args], check=True, cwd=REPO)
     assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
     layer = tmp_path / "a" / "layer_003.safetensors"
-    metadata = checkpoint.read_safetensors_header(layer).metadata
+    metadata = safetensors_io.read_safetensors_header(layer).metadata
     assert metadata == {"experts": "4", "format": "BF16", "layer": "3"}
     source = load_file(stack / "model.safetensors")["model.layers.3.mlp.experts.1.gate_proj.weight"]
     assert torch.equal(load_file(layer)["blk.3.ffn_gate_exps.weight"][1], source)

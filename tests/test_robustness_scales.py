@@ -57,11 +57,11 @@ def test_a_hostile_scale_is_an_error_naming_the_tensor(tmp_path, source, variant
 
 
 def test_a_layer_of_other_sizes_is_refused_from_the_headers_before_reading(tmp_path, monkeypatch):
-    from kt_kernel import checkpoint
+    from kt_kernel import sources
 
     write_layer(tmp_path / "model", "packed", 32)  # H = 256, I = 128
     read = []
-    monkeypatch.setattr(checkpoint.ExpertSource, "read_stored", lambda *args: read.append(args))
+    monkeypatch.setattr(sources.ExpertSource, "read_stored", lambda *args: read.append(args))
     moe = moe_wrapper(4, 2, 512, 128, method="RAWINT4", weight_path=str(tmp_path / "model"))
     with pytest.raises(
         ValueError, match="hidden size 256 and intermediate size 128, the layer has 512 and 128"

@@ -48,20 +48,11 @@ import torch
 from safetensors import SafetensorError
 
 from . import __version__, formats
-from .checkpoint import (
-    MANIFEST_NAME,
-    PROJECTIONS,
-    CheckpointError,
-    ExpertSource,
-    MoELayer,
-    converted_file_name,
-    converted_tensor_name,
-    index_checkpoint,
-    read_manifest,
-    read_safetensors_header,
-)
-from .checkpoint import dequantize_fp8_blocks as dequantize_fp8_blocks  # also kt_kernel.convert's name
+from .checkpoint import MANIFEST_NAME, converted_file_name, converted_tensor_name, read_manifest
 from .formats import WeightFormat
+from .safetensors_io import CheckpointError, index_checkpoint, read_safetensors_header
+from .sources import PROJECTIONS, ExpertSource, MoELayer
+from .sources import dequantize_fp8_blocks as dequantize_fp8_blocks  # also kt_kernel.convert's name
 
 LOCK_NAME = ".kt_manifest.lock"
 _TEMPORARY = re.compile(r"^\.(?:layer_\d+\.safetensors|kt_manifest\.json)\.(?P<pid>\d+)\.tmp$")

@@ -5,7 +5,8 @@ packed along K, and, except BF16, scales of ``scale_bytes`` each: one per output
 (``scale_groups == (0,)``) or one per group of G inputs along K (G in ``scale_groups``). These
 rules, the multiple K must be of and its bound come from the compiled module's FORMATS, so that
 Python and the engine cannot disagree; an entry adds what only Python does: its method aliases,
-the dtypes a caller may hand its tensors in, quantize and dequantize. The canonical layouts:
+the dtypes a caller may hand its tensors in, the dtypes a Hugging Face checkpoint ships it in,
+quantize and dequantize. The canonical layouts:
 
 MXFP4 (OCP Microscaling, as DeepSeek-V4-Flash ships its experts):
 
@@ -29,6 +30,8 @@ BF16 is the weight itself in bfloat16 (no scales).
 
 A new format is a WeightFormat subclass with its ``_encode`` and ``_decode`` (and, with scales,
 ``_checked_scales``), and one instance of it in FORMATS; the engine must list it in its own FORMATS.
+Its ``source_dtypes`` let kt_kernel.sources take it from a Hugging Face directory, once that module
+decodes them.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ def first_index(mask: torch.Tensor, first_expert: int = 0) -> list[int]:
 @dataclass(frozen=True)
 class WeightFormat:
     """One weight format: its names, the dtypes its canonical tensors may be given in (and how a
-    message names them), and the engine's rules for it."""
+    message names them), the dtypes a Hugging Face checkpoint ships it in, and the engine's rules
+    for it."""
 
     name: str
     aliases: tuple[str, ...] = ()
@@ -91,6 +95,10 @@ class WeightFormat:
     values_text: str = ""
     scale_dtypes: tuple[torch.dtype, ...] = ()
     scales_text: str = ""
+    # The dtypes of a Hugging Face checkpoint's expert weights that kt_kernel.sources reads as this
+    # format: safetensors dtypes, or "I4" for INT4 values packed in I32 words (compressed-tensors'
+    # weight_packed, GPTQ's qweight). Empty: the format is read from converted checkpoints only.
+    source_dtypes: tuple[str, ...] = ()
     # The engine's rules, read from ext.FORMATS[name] (see the module docstring).
     value_bits: int = field(init=False)
     scale_bytes: int = field(init=False)
@@ -477,7 +485,7 @@ class _Fp8(_FloatScaled):
         return torch.where((values & 0x7F) == 0x7F, values ^ 0x01, values)
 
 
-BF16 = _Bf16("BF16")
+BF16 = _Bf16("BF16", source_dtypes=("BF16", "F16", "F32"))
 MXFP4 = _Mxfp4(
     "MXFP4",
     value_dtypes=(torch.uint8, torch.int8),
@@ -500,6 +508,7 @@ INT4 = _Int4(
     values_text="INT4 weights as two 4-bit values per byte as uint8 or int8",
     scale_dtypes=_FLOAT_SCALES,
     scales_text="float32 or bfloat16",
+    source_dtypes=("I4",),
 )
 
 FP8 = _Fp8(
@@ -509,6 +518,7 @@ FP8 = _Fp8(
     values_text="FP8 E4M3 codes as uint8 or float8_e4m3fn",
     scale_dtypes=_FLOAT_SCALES,
     scales_text="float32 or bfloat16",
+    source_dtypes=("F8_E4M3",),
 )
 
 #: Every format by name, in the order command-line choices list them.
