@@ -18,6 +18,7 @@ SUITES = [
     "tests/test_int_kernels.py",
     "tests/test_fp8_kernels.py",
     "tests/test_accuracy.py",
+    "tests/test_biases.py",
 ]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},

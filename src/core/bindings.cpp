@@ -244,6 +244,25 @@ NB_MODULE(KT_MODULE_NAME, m) {
            "gate/up [E, I, row bytes of H], down [E, H, row bytes of I], scales [E, rows, scales per row] or None "
            "(any element type; sizes checked in bytes); INT4 also takes int8 zero points shaped like its scales "
            "(weights (q - zero) * scale).")
+      .def("set_biases",
+           [](kt::MoEEngine& engine, std::optional<CpuArray<const float, nb::ndim<2>>> gate,
+              std::optional<CpuArray<const float, nb::ndim<2>>> up,
+              std::optional<CpuArray<const float, nb::ndim<2>>> down) {
+             const kt::MoEShape& shape = engine.shape();
+             auto checked = [&](const auto& bias, int rows, const char* message) -> const float* {
+               if (!bias) return nullptr;
+               require(bias->shape(0) == size_t(shape.num_experts) && bias->shape(1) == size_t(rows), message);
+               return bias->data();
+             };
+             const float* g = checked(gate, shape.intermediate, "gate bias must be float32 [num_experts, intermediate]");
+             const float* u = checked(up, shape.intermediate, "up bias must be float32 [num_experts, intermediate]");
+             const float* d = checked(down, shape.hidden, "down bias must be float32 [num_experts, hidden]");
+             nb::gil_scoped_release release;
+             engine.set_biases(g, u, d);
+           },
+           nb::arg("gate").none(), nb::arg("up").none(), nb::arg("down").none(),
+           "Expert biases per slot (float32, C-contiguous, each None or: gate/up [E, I], down [E, H]), added "
+           "in fp32: gate and up before the activation, down before the routing weight. All None: none.")
       .def("unload", &kt::MoEEngine::unload, nb::call_guard<nb::gil_scoped_release>(),
            "Mark every slot unpacked (memory kept): a load in parts, with source_of_slot -1 for the slots "
            "another part packs, starts here; the engine runs once every slot is packed.")

@@ -70,6 +70,15 @@ void swiglu_to_bf16(const float* gate, const float* up, int count, float limit, 
   }
 }
 
+// rows[r][c] += bias[c] for `rows` rows of `cols` values, `stride` apart: an expert's biases, added
+// in fp32 to its outputs before they are used.
+void add_bias(float* rows_data, int rows, int stride, const float* bias, int cols) {
+  for (int r = 0; r < rows; ++r) {
+    float* row = rows_data + size_t(r) * stride;
+    for (int c = 0; c < cols; ++c) row[c] += bias[c];
+  }
+}
+
 }  // namespace
 
 MoEEngine::MoEEngine(MoEShape shape, const FormatTraits& format, std::shared_ptr<ThreadPool> pool,
@@ -173,6 +182,22 @@ void MoEEngine::unload() {
   if (pending_) throw std::logic_error("cannot unload weights while a forward is in flight; call sync first");
   std::fill(weights_->packed.begin(), weights_->packed.end(), 0);
   weights_->loaded = false;
+}
+
+void MoEEngine::set_biases(const float* gate, const float* up, const float* down) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot set biases while a forward is in flight; call sync first");
+  const int E = shape_.num_experts;
+  auto copy = [E](std::vector<float>& dst, const float* src, int rows) {
+    dst.clear();
+    if (src == nullptr) return;
+    const size_t padded = size_t(packed_groups(rows)) * kGroupRows;
+    dst.assign(size_t(E) * padded, 0.0f);
+    for (int e = 0; e < E; ++e) std::memcpy(dst.data() + e * padded, src + size_t(e) * rows, rows * sizeof(float));
+  };
+  copy(weights_->gate_bias, gate, shape_.intermediate);
+  copy(weights_->up_bias, up, shape_.intermediate);
+  copy(weights_->down_bias, down, shape_.hidden);
 }
 
 void MoEEngine::pack(PackedProjection& dst, SourceProjection src, int slot, size_t source) {
@@ -486,6 +511,11 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   gemm_(x, up, s.up.data(), block_cols_);
   sum_parts(s.gate.data(), rows, parts_, block_groups * kGroupRows, block_cols_);
   sum_parts(s.up.data(), rows, parts_, block_groups * kGroupRows, block_cols_);
+  const int I = shape_.intermediate, col0 = g0 * kGroupRows;
+  if (const float* bias = bias_row(weights_->gate_bias, expert, I))
+    add_bias(s.gate.data(), rows, block_cols_, bias + col0, block_groups * kGroupRows);
+  if (const float* bias = bias_row(weights_->up_bias, expert, I))
+    add_bias(s.up.data(), rows, block_cols_, bias + col0, block_groups * kGroupRows);
   for (int i = 0; i < rows; ++i)
     swiglu_to_bf16(s.gate.data() + i * block_cols_, s.up.data() + i * block_cols_, block_groups * kGroupRows,
                    options_.swiglu_limit, options_.swiglu_alpha, activation_.data() + size_t(first + i) * inter_stride_ + g0 * kGroupRows);
@@ -514,6 +544,8 @@ void MoEEngine::down_task(int block, int next_block, ThreadScratch& s) {
       down.next_values = weights_->down.groups(active_experts_[0], next_block * block_groups_, 1).values;
     gemm_(x, down, s.down.data(), block_cols_);
     sum_parts(s.down.data(), rows, parts_, block_cols, block_cols_);
+    if (const float* bias = bias_row(weights_->down_bias, expert, H))
+      add_bias(s.down.data(), rows, block_cols_, bias + g0 * kGroupRows, block_cols);
     for (int i = 0; i < rows; ++i) {
       const float weight = route_weight_[first + i];
       const float* y = s.down.data() + i * block_cols_;

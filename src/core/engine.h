@@ -68,6 +68,9 @@ class MoEEngine {
             const int64_t* source_of_slot);
   // Every slot unpacked (the memory is kept for the next load): a load in parts starts here.
   void unload();
+  // Expert biases per slot, fp32, each nullable: gate and up [num_experts, intermediate], down
+  // [num_experts, hidden] (all null: none). Copied; kept until the next call of this.
+  void set_biases(const float* gate, const float* up, const float* down);
   // gpu_mask[e] != 0 (num_experts bytes, 0 or 1): expert e is computed elsewhere and its routing
   // entries are ignored from the next submit on. Compares first, so an unchanged mask costs a
   // memcmp. Not while a forward is in flight. A mask that hands the CPU an expert whose slot is not

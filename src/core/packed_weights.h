@@ -54,9 +54,18 @@ struct ExpertWeights {
   std::vector<uint8_t> skip;    // per expert: 1 = GPU-resident, its routing entries are ignored
   std::vector<uint8_t> packed;  // per slot: its weights are packed (loads may come in parts)
   bool loaded = false;          // every slot packed, or skipped (a GPU expert need not be in CPU memory)
+  // Expert biases in fp32, empty where there are none: per slot, gate_bias and up_bias are added to
+  // the gate and up outputs before the activation, down_bias to the expert's output before its
+  // routing weight. Each slot's row is padded with zeros to whole weight groups (bias_row).
+  std::vector<float> gate_bias, up_bias, down_bias;
   // Whether every slot the engine may compute is packed.
   bool ready() const;
 };
+
+// Slot `slot`'s bias row for a projection of `rows` outputs, or nullptr where `bias` is empty.
+inline const float* bias_row(const std::vector<float>& bias, int slot, int rows) {
+  return bias.empty() ? nullptr : bias.data() + size_t(slot) * packed_groups(rows) * kGroupRows;
+}
 
 // Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert);

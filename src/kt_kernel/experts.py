@@ -26,7 +26,7 @@ from .arguments import (
 )
 from .formats import require_shape
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
-from .weights import check_slot_map, prepare, subpool_slice
+from .weights import check_slot_map, prepare, prepare_biases, subpool_slice
 
 __all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
 
@@ -178,6 +178,7 @@ class KTMoEWrapper:
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
         self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
+        self._biases = False  # expert biases loaded
         # skip_gpu_expert_cpu_copy: the slots left out of CPU memory (GPU experts at load), and where
         # load_weights read each slot's expert from (None: the weights came from tensors).
         self._unpacked: torch.Tensor | None = None
@@ -270,6 +271,9 @@ class KTMoEWrapper:
         gate_zeros: torch.Tensor | None = None,
         up_zeros: torch.Tensor | None = None,
         down_zeros: torch.Tensor | None = None,
+        gate_bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
     ) -> None:
         """Copy expert weights into engine-owned memory in the method's format.
 
@@ -284,6 +288,9 @@ class KTMoEWrapper:
         float8_e4m3fn) [E, N, K] and float32/bf16 scales [E, N] or [E, N, K/128].
         physical_to_logical_map_cpu[p] is the expert (first dim of the tensors) whose weights
         physical slot p holds; topk_ids name physical slots. Default: identity.
+        Expert biases (gpt-oss has them), each optional, float: gate_bias and up_bias [E, I], added to
+        the gate and up outputs before the activation, and down_bias [E, H], added to the expert's
+        output before its routing weight; held and added in fp32.
         Nothing refers to the given tensors after this returns.
         """
         with self._lock:
@@ -295,6 +302,7 @@ class KTMoEWrapper:
                 physical_to_logical_map_cpu,
                 {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale},
                 {"gate_zeros": gate_zeros, "up_zeros": up_zeros, "down_zeros": down_zeros},
+                {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias},
             )
             self._loaded = True
 
@@ -302,10 +310,12 @@ class KTMoEWrapper:
         """Every slot of every engine unpacked: the parts of a load follow (_load_part)."""
         self._loaded = False
         self._zero_points = False
+        self._biases = False
         self._source_of_slot = None
         self._unpacked = self._gpu_experts_mask.clone() if self.skip_gpu_expert_cpu_copy else None
         for sp in self._subpools:
             sp.engine.unload()
+            sp.engine.set_biases(None, None, None)
 
     def _load_part(
         self,
@@ -315,6 +325,7 @@ class KTMoEWrapper:
         slot_map: torch.Tensor | None,
         scales: dict[str, torch.Tensor | None],
         zeros: dict[str, torch.Tensor | None],
+        biases: dict[str, torch.Tensor | None] | None = None,
         part: bool = False,
         first_expert: int = 0,
     ) -> None:
@@ -333,6 +344,9 @@ class KTMoEWrapper:
             part,
             first_expert,
         )
+        biases = prepare_biases(
+            biases or {}, slot_map, gate_proj.shape[0], self.hidden_size, self.moe_intermediate_size
+        )
         if not part:
             self._start_load()
         if self._unpacked is not None:  # GPU experts stay out of CPU memory
@@ -346,6 +360,12 @@ class KTMoEWrapper:
                 self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size
             )
             sp.engine.load(*tensors, slot_map, **zeros)
+        if any(b is not None for b in biases.values()):
+            self._biases = True
+            gate, up, down = biases.values()
+            for index, sp in enumerate(self._subpools):  # gate/up biases sliced; down's added once
+                sliced = [None if b is None else b[:, sp.start : sp.stop].contiguous() for b in (gate, up)]
+                sp.engine.set_biases(*sliced, down if index == 0 else None)
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
         """Load layer ``layer_idx`` from the checkpoint directory ``weight_path``.
@@ -713,10 +733,11 @@ class KTMoEWrapper:
             self._require_idle("write weights back")
             if not self._loaded:
                 raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
-            if self._zero_points:
+            if self._zero_points or self._biases:
+                what = "zero points (asymmetric INT4)" if self._zero_points else "expert biases"
                 raise NotImplementedError(
-                    "weights loaded with zero points (asymmetric INT4) have no GPU buffer layout: "
-                    "the buffers hold values and scales only"
+                    f"weights loaded with {what} have no GPU buffer layout: the buffers hold values and "
+                    "scales only"
                 )
             fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
             tp = require_int("gpu_tp_count", gpu_tp_count, 1)

@@ -138,3 +138,37 @@ def subpool_slice(
     projections = {"gate": gate, "up": up, "down": down}
     zeros = {f"{p}_zeros": t[2] for p, t in projections.items() if t[2] is not None}
     return [*gate[:2], *up[:2], *down[:2]], zeros
+
+
+def prepare_biases(
+    biases: dict[str, torch.Tensor | None],
+    slot_map: torch.Tensor,
+    sources: int,
+    hidden: int,
+    intermediate: int,
+) -> dict[str, torch.Tensor | None]:
+    """Expert biases (gate_bias, up_bias [E, I]; down_bias [E, H]; each optional, any float dtype)
+    as float32 per slot, as the engines take them: slot s holds source expert slot_map[s]'s (zeros
+    where slot_map is -1). None where none is given."""
+    rows = {"gate_bias": intermediate, "up_bias": intermediate, "down_bias": hidden}
+    names = {
+        "gate_bias": "moe_intermediate_size",
+        "up_bias": "moe_intermediate_size",
+        "down_bias": "hidden_size",
+    }
+    per_slot: dict[str, torch.Tensor | None] = {}
+    for name, bias in biases.items():
+        if bias is None:
+            per_slot[name] = None
+            continue
+        bias = require_cpu_tensor(name, bias)
+        if bias.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be bf16, fp16 or fp32, got {bias.dtype}")
+        require_shape(name, bias, (sources, rows[name]), f"[E, {names[name]}]")
+        bias = bias.float()
+        if not bool(torch.isfinite(bias).all()):
+            raise ValueError(f"{name} holds a value that is not finite")
+        slots = bias[slot_map.clamp(min=0)]
+        slots[slot_map < 0] = 0.0
+        per_slot[name] = slots.contiguous()
+    return per_slot
