@@ -9,8 +9,13 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
+double peak_probe(PeakOp op, int64_t iterations) {
+  return op == PeakOp::kTileBf16 ? amx::tile_bf16_peak_probe(iterations) : avx512::peak_probe(op, iterations);
+}
+
 Kernels with_tiles() {
   Kernels table = avx512::paths();
+  table.peak = peak_probe;
   table.bf16 = amx::gemm_bf16;
   table.mxfp4 = amx::gemm_mxfp4;
   table.fp8 = amx::gemm_fp8;

@@ -5,7 +5,7 @@ KT_NAMESPACE_BEGIN
 
 const Kernels& kernels() {
   static constexpr Kernels table = {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4,
-                                    avx2::gemm_fp8};
+                                    avx2::gemm_fp8, avx2::peak_probe};
   return table;
 }
 

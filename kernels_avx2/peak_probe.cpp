@@ -1,7 +1,7 @@
 // Peak multiply-add rate probe: enough independent accumulators to hide FMA latency.
 #include <immintrin.h>
 
-#include "kernels.h"
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -25,6 +25,8 @@ double fma_probe(int64_t iterations) {
 
 }  // namespace
 
+namespace avx2 {
 double peak_probe(PeakOp op, int64_t iterations) { return op == PeakOp::kFmaF32 ? fma_probe(iterations) : 0.0; }
+}  // namespace avx2
 
 KT_NAMESPACE_END

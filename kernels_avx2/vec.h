@@ -15,6 +15,7 @@ void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);    // gemm_bf16.cpp
+double peak_probe(PeakOp op, int64_t iterations);                                         // peak_probe.cpp
 
 // FP8 codes -> bf16 (fp8_via_bf16.h): 16 codes, half a packed pair of a group (kernels.h).
 // Exact for every code: the subnormals by vpshufb on byte pairs. Out of line: inlined into the tiles,

@@ -46,6 +46,7 @@ Paths choose() {
   p.fma_for_rows = p.vdpbf16ps && !env_flag("KT_KERNEL_FORCE_AVX512_BF16") && fma_beats_vdpbf16ps(cpu);
   p.vpdpbusd = cpu.avx512_vnni && !env_flag("KT_KERNEL_DISABLE_AVX512_VNNI");
   p.vpermb = cpu.avx512_vbmi && !env_flag("KT_KERNEL_DISABLE_AVX512_VBMI");
+  p.kernels.peak = peak_probe;
   if (!p.vdpbf16ps)
     p.kernels.bf16 = gemm_bf16_fma;
   else

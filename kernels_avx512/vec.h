@@ -18,6 +18,8 @@ namespace avx512 {
 // cover both kinds of path on one machine). Chosen on the first call (init_kernels).
 const Kernels& paths();
 KernelInfo paths_info();
+// fp32 FMA, and vdpbf16ps / vpdpbusd where CPUID reports them (peak_probe.cpp); 0 for AMX tiles.
+double peak_probe(PeakOp op, int64_t iterations);
 
 // Plain AVX512F / AVX512BW: gemm_bf16.cpp and gemm_int.cpp.
 void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);

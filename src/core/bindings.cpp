@@ -7,6 +7,7 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cctype>
 #include <stdexcept>
 
 #include "cpu_features.h"
@@ -132,10 +133,11 @@ NB_MODULE(KT_MODULE_NAME, m) {
     nb::dict d;
     d["variant"] = KT_VARIANT_NAME;
     d["kernels"] = info.isa;
-    d["bf16_path"] = info.bf16_path;
-    d["fp8_path"] = info.fp8_path;
-    d["int8_path"] = info.int8_path;
-    d["mxfp4_path"] = info.mxfp4_path;
+    for (const kt::FormatTraits* format : kt::all_formats()) {
+      std::string key = format->name;
+      for (char& c : key) c = char(std::tolower(static_cast<unsigned char>(c)));
+      d[(key + "_path").c_str()] = info.*(format->path);
+    }
     if (info.emulated_tile_products >= 0) d["emulated_tile_products"] = info.emulated_tile_products;
     return d;
   }, "Which kernels this build runs on this CPU.");

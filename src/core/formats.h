@@ -54,6 +54,7 @@ struct FormatTraits {
   // The inverse of pack for a region; w: the whole matrix from its first group.
   void (*unpack)(const PackedGroups& w, const UnpackRegion& region);
   GemmFn Kernels::*gemm;  // this format's GEMM in the build's kernel table
+  const char* KernelInfo::*path;  // how that GEMM computes, in words (kernel_info)
   // Formats with zero points (INT4): canonical int8 offsets [rows][k / scale_group] -> packed
   // groups (kernels.h), group_scale_bytes(k, scale_group) bytes per group; null for the others.
   void (*pack_zeros)(const int8_t* zeros, int rows, int k, int scale_group, uint8_t* packed_zeros) = nullptr;

@@ -190,22 +190,26 @@ inline const uint64_t* fp8_small_codes(const PackedGroups& w, int group) {
 // not throw.
 using GemmFn = void (*)(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 
-// The build's GEMM per format, chosen once by init_kernels() (entry.cpp of each kernels directory).
-struct Kernels {
-  GemmFn bf16, mxfp4, int8, int4, fp8;
-};
-const Kernels& kernels();
-
 // ---- Machine-limit probes (for the benchmark) -------------------------------------------------
 enum class PeakOp { kFmaF32, kDpBf16, kDpInt8, kTileBf16 };  // fp32 FMA, vdpbf16ps, vpdpbusd, AMX tdpbf16ps
 // Runs `iterations` rounds of independent multiply-adds of kind `op` on the calling thread and
 // returns the flops done (0 when this build or CPU cannot execute `op`).
-double peak_probe(PeakOp op, int64_t iterations);
+using PeakFn = double (*)(PeakOp op, int64_t iterations);
+
+// The build's GEMM per format and its peak probes, chosen once by init_kernels() (entry.cpp of each
+// kernels directory; the amx build's table is the avx512 one with tiles put in).
+struct Kernels {
+  GemmFn bf16, mxfp4, int8, int4, fp8;
+  PeakFn peak;
+};
+const Kernels& kernels();
+inline double peak_probe(PeakOp op, int64_t iterations) { return kernels().peak(op, iterations); }
 
 // ---- Start-up ------------------------------------------------------------------------------------
 // Picks the finer paths of this build (e.g. AVX512_BF16 or plain AVX512F) from CPUID, once.
 void init_kernels();
 
+// How each kernel of the table computes, in words (FormatTraits::path names a format's).
 struct KernelInfo {
   const char* isa;         // the build: avx2, avx512 or amx
   const char* bf16_path;   // how bf16 products are computed (BF16 kernels)

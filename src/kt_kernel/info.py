@@ -52,10 +52,12 @@ def format_cpu_info(info: dict[str, Any]) -> str:
         f"flags present     : {flag_list(info['flags'], True)}",
         f"flags missing     : {flag_list(info['flags'], False)}",
         f"CPUID confirms    : {flag_list(info['cpuid'], True)}",
-        f"bf16 kernel path  : {info['kernels']['bf16_path']}",
-        f"mxfp4 kernel path : {info['kernels']['mxfp4_path']}",
-        f"int8/int4 path    : {info['kernels']['int8_path']}",
-        f"fp8 kernel path   : {info['kernels']['fp8_path']}",
+        # One line per registered format (the build reports each format's path).
+        *(
+            f"{key.removesuffix('_path') + ' kernel':<18}: {path}"
+            for key, path in info["kernels"].items()
+            if key.endswith("_path")
+        ),
         f"NUMA nodes        : {format_numa_nodes(info['numa_nodes'])}",
         f"CPUs allowed here : {numa.format_cpulist(info['allowed_cpus'])}",
     ]

@@ -53,6 +53,7 @@ extern const FormatTraits kBf16Format = {
     .pack = pack,
     .unpack = unpack,
     .gemm = &Kernels::bf16,
+    .path = &KernelInfo::bf16_path,
 };
 
 KT_NAMESPACE_END

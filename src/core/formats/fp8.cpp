@@ -68,6 +68,7 @@ extern const FormatTraits kFp8Format = {
     .pack = pack,
     .unpack = unpack,
     .gemm = &Kernels::fp8,
+    .path = &KernelInfo::fp8_path,
 };
 
 KT_NAMESPACE_END

@@ -83,6 +83,7 @@ extern const FormatTraits kInt4Format = {
     .pack = pack,
     .unpack = unpack,
     .gemm = &Kernels::int4,
+    .path = &KernelInfo::int8_path,
     .pack_zeros = pack_zeros,
 };
 

@@ -55,6 +55,7 @@ extern const FormatTraits kInt8Format = {
     .pack = pack,
     .unpack = unpack,
     .gemm = &Kernels::int8,
+    .path = &KernelInfo::int8_path,
 };
 
 KT_NAMESPACE_END

@@ -65,6 +65,7 @@ extern const FormatTraits kMxfp4Format = {
     .pack = pack,
     .unpack = unpack,
     .gemm = &Kernels::mxfp4,
+    .path = &KernelInfo::mxfp4_path,
 };
 
 KT_NAMESPACE_END
