@@ -166,7 +166,7 @@ def read_layer(path: str | Path, layer: int, experts: Experts, method: str) -> d
     """Experts 0..experts-1 (or the range ``experts``) of one layer of a checkpoint directory, as the
     keyword arguments of KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the
     method's format, one in the DeepSeek-V4-Flash layout (MXFP4), or a Hugging Face model directory
-    as it ships (BF16, FP8, INT4)."""
+    as it ships (the formats with ``source_dtypes`` in the registry, kt_kernel.formats)."""
     return LayerReader(path, layer, method).read(experts)
 
 
