@@ -1,23 +1,49 @@
-// The avx2 build's kernel interface (kernels.h): one path per format, nothing to choose.
+// The avx2 build's kernel interface (kernels.h): one path per format, and vpdpbusd (AVX-VNNI) for
+// the integer formats where CPUID reports it and KT_KERNEL_DISABLE_AVX_VNNI=1 does not forbid it
+// (the tests cover both paths on one machine).
+#include "cpu_features.h"
 #include "vec.h"
 
 KT_NAMESPACE_BEGIN
+namespace {
+
+bool avx_vnni() {
+  static const bool on = detect_cpu_features().avx_vnni && !env_flag("KT_KERNEL_DISABLE_AVX_VNNI");
+  return on;
+}
+
+double peak_probe_here(PeakOp op, int64_t iterations) {
+  if (op == PeakOp::kDpInt8) return avx_vnni() ? avx2::dpbusd_avx_peak_probe(iterations) : 0.0;
+  return avx2::peak_probe(op, iterations);
+}
+
+Kernels choose() {
+  if (avx_vnni())
+    return {avx2::gemm_bf16, avx2::gemm_mxfp4_avx_vnni, avx2::gemm_int8_avx_vnni, avx2::gemm_int4_avx_vnni,
+            avx2::gemm_fp8, peak_probe_here};
+  return {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4, avx2::gemm_fp8, peak_probe_here};
+}
+
+}  // namespace
 
 const Kernels& kernels() {
-  static constexpr Kernels table = {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4,
-                                    avx2::gemm_fp8, avx2::peak_probe};
+  static const Kernels table = choose();
   return table;
 }
 
-void init_kernels() {}
+void init_kernels() { kernels(); }
 
 KernelInfo kernel_info() {
+  const char* fp8 =
+      "avx2 (up to five rows of normal codes: E4M3 -> bf16 bytes by a nibble lookup; else one or two rows: E4M3 -> "
+      "fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)";
+  if (avx_vnni())
+    return {"avx2", "avx2 (bf16->fp32, fma)",
+            "avx2 (E2M1 -> integers by vpshufb, int8 rows, avx_vnni (vpdpbusd))", "avx2 avx_vnni (vpdpbusd)", fp8};
   return {"avx2", "avx2 (bf16->fp32, fma)",
           "avx2 (E2M1 -> integers by vpshufb; vpmaddwd on a row and its residual as int16, vpmaddubsw on int8 "
           "rows for one token or int8_activations)",
-          "avx2 (vpmaddwd on int16 activations)",
-          "avx2 (up to five rows of normal codes: E4M3 -> bf16 bytes by a nibble lookup; else one or two rows: E4M3 -> fp16 "
-          "by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)"};
+          "avx2 (vpmaddwd on int16 activations)", fp8};
 }
 
 KT_NAMESPACE_END

@@ -16,6 +16,12 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);    // gemm_bf16.cpp
 double peak_probe(PeakOp op, int64_t iterations);                                         // peak_probe.cpp
+// The integer formats on vpdpbusd (AVX-VNNI), in vpdpbusd_avx.cpp (-mavxvnni): called only after CPUID
+// reported AVX-VNNI (entry.cpp).
+void gemm_int8_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_int4_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_mxfp4_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+double dpbusd_avx_peak_probe(int64_t iterations);  // integer ops done
 
 // FP8 codes -> bf16 (fp8_via_bf16.h): 16 codes, half a packed pair of a group (kernels.h).
 // Exact for every code: the subnormals by vpshufb on byte pairs. Out of line: inlined into the tiles,

@@ -1,7 +1,5 @@
 // Which AVX512 paths this CPU runs: the kernel table of the avx512 build, and the base of the amx
 // build's.
-#include <cstdlib>
-#include <cstring>
 
 #include "cpu_features.h"
 #include "vec.h"
@@ -9,11 +7,6 @@
 KT_NAMESPACE_BEGIN
 namespace avx512 {
 namespace {
-
-bool env_flag(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
-}
 
 // Whether fp32 FMA on widened bf16 multiplies faster than vdpbf16ps in calls of several rows: on
 // Intel CPUs. On a Xeon VM of the Emerald Rapids class vdpbf16ps issues at a quarter of the FMA

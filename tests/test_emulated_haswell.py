@@ -1,6 +1,7 @@
 """On a CPU without AVX512 (qemu-user emulating Haswell) whose /proc/cpuinfo still shows the host's
 AVX512 flags, `import kt_kernel` must end on the avx2 build (CPUID refusal + fallback, no SIGILL)
-and BF16, MXFP4, INT8, INT4 and FP8 forwards must run and match the reference."""
+and BF16, MXFP4, INT8, INT4 and FP8 forwards must run and match the reference (the integer formats
+on the plain AVX2 path: Haswell has no AVX-VNNI)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ for tokens in (1, 9):
     moe.load_weights_from_tensors(*(q[n][0] for n in q), **{f"{n}_scale": q[n][1] for n in q})
     assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
 print("VARIANT", kt_kernel.__cpu_variant__, kt_kernel.cpu_info()["kernels"]["bf16_path"])
+print("INT8 PATH", kt_kernel.cpu_info()["kernels"]["int8_path"])
 """
 
 
@@ -74,6 +76,7 @@ def test_import_and_forward_under_emulated_haswell():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "VARIANT avx2 avx2" in result.stdout
+    assert "INT8 PATH avx2 (vpmaddwd" in result.stdout  # no AVX-VNNI in CPUID: the plain integer path
     if "avx512f" in open("/proc/cpuinfo").read():  # the loader was misled, and recovered
         assert "the avx512 build failed to load" in result.stderr
         assert "CPUID lacks avx512f" in result.stderr

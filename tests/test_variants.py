@@ -1,6 +1,7 @@
 """The kernel suites under every build this CPU can execute, each forced with KT_KERNEL_CPU_VARIANT
 in its own process; the AVX512 build with and without its AVX512_BF16, AVX512_VNNI and AVX512_VBMI paths
-(AVX512_BF16 forced on where the build would measure fp32 FMA faster and take that)."""
+(AVX512_BF16 forced on where the build would measure fp32 FMA faster and take that), the AVX2 build
+with and without its AVX-VNNI path."""
 
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ RUNS = {
     },
     "avx512-fma-vbmi": {"KT_KERNEL_CPU_VARIANT": "avx512", "KT_KERNEL_DISABLE_AVX512_BF16": "1"},
     "avx2": {"KT_KERNEL_CPU_VARIANT": "avx2"},
+    "avx2-plain": {"KT_KERNEL_CPU_VARIANT": "avx2", "KT_KERNEL_DISABLE_AVX_VNNI": "1"},
 }
 # Runs that change only some formats' paths run only those formats' suites (without AVX512_VBMI:
 # FP8's arithmetic decoder, MXFP4's vpshufb lookup on vpdpbusd).
 RUN_SUITES = {
     "avx512-bf16-no-vbmi": ["tests/test_fp8_kernels.py", "tests/test_mxfp4_kernels.py"],
     "avx512-fma-vbmi": ["tests/test_fp8_kernels.py"],
+    "avx2-plain": ["tests/test_int_kernels.py", "tests/test_mxfp4_kernels.py", "tests/test_accuracy.py"],
 }
 
 
@@ -53,6 +56,8 @@ def test_kernel_suites_under_build(run):
         pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VNNI: only the plain AVX512 paths can run")
     if run == "avx512-bf16-no-vbmi" and not {"avx512_bf16", "avx512vbmi"} <= HOST_FLAGS:
         pytest.skip("this CPU lacks AVX512_BF16 or AVX512_VBMI: the arithmetic FP8 decoder is its only one")
+    if run == "avx2-plain" and "avx_vnni" not in HOST_FLAGS:
+        pytest.skip("this CPU lacks AVX-VNNI: the avx2 run above is its plain integer path")
     if run == "avx512-fma-vbmi" and "avx512vbmi" not in HOST_FLAGS:
         pytest.skip("this CPU lacks AVX512_VBMI: avx512-plain runs its only FP8 path on fp32 FMA")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env

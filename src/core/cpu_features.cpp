@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -55,6 +56,7 @@ CpuFeatures detect_cpu_features() {
   f.fma = bit(leaf1.ecx, 12);
   f.f16c = bit(leaf1.ecx, 29);
   f.avx2 = bit(leaf7.ebx, 5);
+  f.avx_vnni = bit(leaf7_1.eax, 4);
   f.avx512f = os_avx512 && bit(leaf7.ebx, 16);
   f.avx512dq = os_avx512 && bit(leaf7.ebx, 17);
   f.avx512bw = os_avx512 && bit(leaf7.ebx, 30);
@@ -66,6 +68,11 @@ CpuFeatures detect_cpu_features() {
   f.amx_tile = os_amx && bit(leaf7.edx, 24);
   f.amx_int8 = os_amx && bit(leaf7.edx, 25);
   return f;
+}
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
 }
 
 const std::vector<std::pair<std::string, std::vector<std::string>>>& build_requirements() {

@@ -12,6 +12,7 @@ KT_NAMESPACE_BEGIN
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
+  bool avx_vnni = false;  // VEX vpdpbusd on ymm (Alder Lake and later clients, Sapphire Rapids, Zen 5)
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512_bf16 = false, avx512_vnni = false, avx512_vbmi = false;
   bool amx_tile = false, amx_int8 = false, amx_bf16 = false;
@@ -20,6 +21,10 @@ struct CpuFeatures {
 
 // Flags are reported only where the OS also saves the registers they need (XCR0).
 CpuFeatures detect_cpu_features();
+
+// Whether the environment variable `name` is set to something other than "" or "0": the switches
+// that turn a build's finer paths off (KT_KERNEL_DISABLE_*) so that the tests cover both.
+bool env_flag(const char* name);
 
 // Each build and the CPU flags (as /proc/cpuinfo names them) it needs, best build first: the one
 // table of them in C++. loader/select.py's REQUIRED_FLAGS says the same for the loader, and
