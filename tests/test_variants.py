@@ -71,3 +71,26 @@ def test_kernel_suites_under_build(run):
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
     summary = result.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary, summary
+
+
+def test_every_engine_format_has_accuracy_tests_in_the_suites_every_build_runs():
+    """A format the engine compiles (src/core/formats/<name>.cpp) that the Python registry lacks, or
+    an accuracy suite that stops taking its formats from the registry, fails here: the suites above
+    run under every build, so a registered format they collect is tested on every build."""
+    from kt_kernel import formats
+    from kt_kernel._native import ext
+
+    assert set(ext.FORMATS) == set(formats.FORMATS)
+    suites = ["tests/test_accuracy.py", "tests/test_biases.py"]
+    assert set(suites) <= set(SUITES)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *suites],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for suite in suites:
+        for name in formats.FORMATS:
+            ids = [line for line in result.stdout.splitlines() if line.startswith(suite) and name in line]
+            assert any(f"[{name}" in line or f"-{name}]" in line or f"-{name}-" in line for line in ids), (
+                f"{suite} collects no accuracy test of {name}"
+            )

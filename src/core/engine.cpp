@@ -263,7 +263,7 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   if (pending_) throw std::logic_error("a forward is already submitted; call sync first");
   require(tokens >= 1, "the engine needs at least one token");
   if (job_in_pool_) pool_->wait_until_left(job_), job_in_pool_ = false;  // nobody reads the old call
-  const int E = shape_.num_experts, K = shape_.top_k;
+  const int K = shape_.top_k;
   require(int64_t(tokens) * K <= INT32_MAX, "tokens * num_experts_per_tok must be < 2^31");
   const bool decode = tokens <= kDecodeMaxTokens;
   // In decode the workers also claim each task before the one they run ends (run_phase): its weight
@@ -274,47 +274,26 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
   block_groups_ = task_groups(pool_->size(), decode);
   block_cols_ = block_groups_ * kGroupRows;
 
-  // Bucket the routed (token, expert) pairs by expert: count, then place.
-  expert_rows_.assign(E, 0);
-  for (int t = 0; t < tokens; ++t)
-    for (int k = 0; k < K; ++k) {
-      const int64_t id = ids[size_t(t) * K + k];
-      if (id == -1) continue;
-      require(id >= 0 && id < E, "topk_ids[" + std::to_string(t) + ", " + std::to_string(k) + "] = " +
-                                     std::to_string(id) + " is outside [-1, " + std::to_string(E) + ")");
-      if (!weights_->skip[id]) ++expert_rows_[id];
-    }
-  active_experts_.clear();
-  route_offset_.clear();
-  int total_rows = 0, max_rows = 0;
-  for (int e = 0; e < E; ++e) {
-    const int rows = expert_rows_[e];
-    if (rows == 0) continue;
-    active_experts_.push_back(e);
-    route_offset_.push_back(total_rows);
-    expert_rows_[e] = total_rows;  // from here on: the next free row of expert e
-    total_rows += rows;
-    max_rows = std::max(max_rows, rows);
+  routing_.bucket(ids, weights, tokens, K, weights_->skip, parts_);
+  reserve_buffers(tokens);
+  copy_tokens(hidden, tokens);
+  begin_phases(tokens, out, out_f32);
+  // A tiny problem is done right here: handing it to the pool and waking this thread again would
+  // cost more than the work.
+  ran_inline_ = double(routing_.total_rows) * 3 * shape_.hidden * shape_.intermediate <= options_.inline_multiply_adds;
+  if (ran_inline_) {
+    forward_worker(0);
+  } else {
+    may_stand_in_ = pool_->all_asleep();
+    job_ = pool_->submit([this](int worker) { forward_worker(worker); });
+    job_in_pool_ = true;
   }
-  route_offset_.push_back(total_rows);
-  route_token_.resize(total_rows);
-  route_weight_.resize(total_rows);
-  route_parts_.resize(size_t(total_rows) * parts_);
-  token_rows_.assign(size_t(tokens) * K, -1);
-  for (int t = 0; t < tokens; ++t)
-    for (int k = 0; k < K; ++k) {
-      const int64_t id = ids[size_t(t) * K + k];
-      if (id == -1 || weights_->skip[id]) continue;
-      const int row = expert_rows_[id]++;
-      token_rows_[size_t(t) * K + k] = row;
-      route_token_[row] = t;
-      route_weight_[row] = weights[size_t(t) * K + k];
-      for (int p = 0; p < parts_; ++p) route_parts_[size_t(row) * parts_ + p] = t * parts_ + p;
-    }
+}
 
-  // Buffers only grow, so steady-state calls allocate nothing.
-  // The routed rows are followed by kPaddedRows rows of zeros (Activations::padded_rows).
-  const int padded_rows = total_rows + kPaddedRows;
+// Buffers only grow, so steady-state calls allocate nothing. The routed rows are followed by
+// kPaddedRows rows of zeros (Activations::padded_rows).
+void MoEEngine::reserve_buffers(int tokens) {
+  const int padded_rows = routing_.total_rows + kPaddedRows;
   hidden_.reserve(size_t(tokens) * hidden_stride_);
   activation_.reserve(size_t(padded_rows) * inter_stride_);
   if (routed_) routed_hidden_.reserve(size_t(padded_rows) * routed_stride_);
@@ -324,52 +303,49 @@ void MoEEngine::start(const bf16_t* hidden, int tokens, const int64_t* ids, cons
     if (routed_) routed_q_.reserve(padded_rows, shape_.hidden);
   }
   if (routed_) {
-    std::memset(routed_hidden_.data() + size_t(total_rows) * routed_stride_, 0,
+    std::memset(routed_hidden_.data() + size_t(routing_.total_rows) * routed_stride_, 0,
                 size_t(kPaddedRows) * routed_stride_ * sizeof(bf16_t));
-    std::memset(activation_.data() + size_t(total_rows) * inter_stride_, 0,
+    std::memset(activation_.data() + size_t(routing_.total_rows) * inter_stride_, 0,
                 size_t(kPaddedRows) * inter_stride_ * sizeof(bf16_t));
     if (quantized_activations_) {
-      routed_q_.zero_rows(total_rows, kPaddedRows);
-      activation_q_.zero_rows(total_rows, kPaddedRows);
+      routed_q_.zero_rows(routing_.total_rows, kPaddedRows);
+      activation_q_.zero_rows(routing_.total_rows, kPaddedRows);
     }
   }
   for (ThreadScratch& s : scratch_) {
-    s.kernel.reserve(kernel_scratch_bytes(max_rows * parts_, std::max(shape_.hidden, shape_.intermediate)));
-    s.gate.reserve(size_t(max_rows) * parts_ * block_cols_);
-    s.up.reserve(size_t(max_rows) * parts_ * block_cols_);
-    s.down.reserve(size_t(max_rows) * parts_ * block_cols_);
+    s.kernel.reserve(kernel_scratch_bytes(routing_.max_rows * parts_, std::max(shape_.hidden, shape_.intermediate)));
+    s.gate.reserve(size_t(routing_.max_rows) * parts_ * block_cols_);
+    s.up.reserve(size_t(routing_.max_rows) * parts_ * block_cols_);
+    s.down.reserve(size_t(routing_.max_rows) * parts_ * block_cols_);
     s.acc.reserve(size_t(tokens) * block_cols_);
   }
 
-  // The tokens are copied here, on the caller, so it may reuse `hidden` as soon as this returns.
+}
+
+// The tokens are copied here, on the caller, so it may reuse `hidden` as soon as submit returns.
+void MoEEngine::copy_tokens(const bf16_t* hidden, int tokens) {
   const int H = shape_.hidden;
   for (int t = 0; t < tokens; ++t) {
     bf16_t* row = hidden_.data() + size_t(t) * hidden_stride_;
     std::memcpy(row, hidden + size_t(t) * H, H * sizeof(bf16_t));
     std::memset(row + H, 0, (hidden_stride_ - H) * sizeof(bf16_t));
   }
+}
+
+// The call's state for its workers: where it writes, and each phase's items.
+void MoEEngine::begin_phases(int tokens, bf16_t* out, float* out_f32) {
   out_ = out;
   out_f32_ = out_f32;
   tokens_ = tokens;
   prepare_hidden_.reset(quantized_activations_ || routed_ ? tokens : 0);
-  gate_up_.reset(int(active_experts_.size()) * ceil_div(packed_groups(shape_.intermediate), block_groups_));
-  quantize_activation_.reset(quantized_activations_ ? total_rows : 0);
+  gate_up_.reset(int(routing_.active_experts.size()) * ceil_div(packed_groups(shape_.intermediate), block_groups_));
+  quantize_activation_.reset(quantized_activations_ ? routing_.total_rows : 0);
   down_.reset(ceil_div(packed_groups(shape_.hidden), block_groups_));
   call_done_.store(false);
   workers_in_.store(0);
   failed_.store(false);
   failure_ = nullptr;
   pending_ = true;
-  // A tiny problem is done right here: handing it to the pool and waking this thread again would
-  // cost more than the work.
-  ran_inline_ = double(total_rows) * 3 * shape_.hidden * shape_.intermediate <= options_.inline_multiply_adds;
-  if (ran_inline_) {
-    forward_worker(0);
-  } else {
-    may_stand_in_ = pool_->all_asleep();
-    job_ = pool_->submit([this](int worker) { forward_worker(worker); });
-    job_in_pool_ = true;
-  }
 }
 
 void MoEEngine::sync() {
@@ -471,7 +447,7 @@ void MoEEngine::prepare_hidden_row(int t) {
   if (!routed_) return;
   const int K = shape_.top_k;
   for (int k = 0; k < K; ++k) {
-    const int routed = token_rows_[size_t(t) * K + k];
+    const int routed = routing_.token_rows[size_t(t) * K + k];
     if (routed < 0) continue;
     bf16_t* dst = routed_hidden_.data() + size_t(routed) * routed_stride_;
     std::memcpy(dst, row, hidden_stride_ * sizeof(bf16_t));
@@ -486,16 +462,16 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   const int blocks = ceil_div(groups, block_groups_);
   const int active = task / blocks, g0 = task % blocks * block_groups_;
   const int block_groups = std::min(block_groups_, groups - g0);
-  const int expert = active_experts_[active];
-  const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
-  // The integer formats read each token's quantized parts as rows of their own (route_parts_).
-  Activations x{hidden_.data(), size_t(hidden_stride_), route_token_.data() + first, rows};
+  const int expert = routing_.active_experts[active];
+  const int first = routing_.offset[active], rows = routing_.offset[active + 1] - first;
+  // The integer formats read each token's quantized parts as rows of their own (routing_.parts).
+  Activations x{hidden_.data(), size_t(hidden_stride_), routing_.token.data() + first, rows};
   if (routed_) {
     x = {routed_hidden_.data() + size_t(first) * routed_stride_, size_t(routed_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = routed_q_.view(first);
     x.padded_rows = true;
   } else if (quantized_activations_) {
-    x = {hidden_.data(), size_t(hidden_stride_), route_parts_.data() + size_t(first) * parts_, rows * parts_,
+    x = {hidden_.data(), size_t(hidden_stride_), routing_.parts.data() + size_t(first) * parts_, rows * parts_,
          hidden_q_.view()};
   }
   x.scratch = s.kernel.data();
@@ -504,7 +480,7 @@ void MoEEngine::gate_up_task(int task, int next_task, ThreadScratch& s) {
   PackedGroups up = weights_->up.groups(expert, g0, block_groups);
   gate.next_values = up.values;
   if (next_task >= 0) {  // up's prefetches run on into the first gate group of the worker's next task
-    const int next_expert = active_experts_[next_task / blocks], next_g0 = next_task % blocks * block_groups_;
+    const int next_expert = routing_.active_experts[next_task / blocks], next_g0 = next_task % blocks * block_groups_;
     up.next_values = weights_->gate.groups(next_expert, next_g0, 1).values;
   }
   gemm_(x, gate, s.gate.data(), block_cols_);
@@ -530,26 +506,26 @@ void MoEEngine::down_task(int block, int next_block, ThreadScratch& s) {
   const int block_cols = block_groups * kGroupRows;
   float* acc = s.acc.data();
   std::memset(acc, 0, size_t(tokens_) * block_cols_ * sizeof(float));
-  for (size_t active = 0; active < active_experts_.size(); ++active) {
-    const int expert = active_experts_[active];
-    const int first = route_offset_[active], rows = route_offset_[active + 1] - first;
+  for (size_t active = 0; active < routing_.active_experts.size(); ++active) {
+    const int expert = routing_.active_experts[active];
+    const int first = routing_.offset[active], rows = routing_.offset[active + 1] - first;
     Activations x{activation_.data() + size_t(first) * inter_stride_, size_t(inter_stride_), nullptr, rows * parts_};
     if (quantized_activations_) x.quantized = activation_q_.view(first);
     x.padded_rows = routed_;
     x.scratch = s.kernel.data();
     PackedGroups down = weights_->down.groups(expert, g0, block_groups);
-    if (active + 1 < active_experts_.size())
-      down.next_values = weights_->down.groups(active_experts_[active + 1], g0, block_groups).values;
+    if (active + 1 < routing_.active_experts.size())
+      down.next_values = weights_->down.groups(routing_.active_experts[active + 1], g0, block_groups).values;
     else if (next_block >= 0)
-      down.next_values = weights_->down.groups(active_experts_[0], next_block * block_groups_, 1).values;
+      down.next_values = weights_->down.groups(routing_.active_experts[0], next_block * block_groups_, 1).values;
     gemm_(x, down, s.down.data(), block_cols_);
     sum_parts(s.down.data(), rows, parts_, block_cols, block_cols_);
     if (const float* bias = bias_row(weights_->down_bias, expert, H))
       add_bias(s.down.data(), rows, block_cols_, bias + g0 * kGroupRows, block_cols);
     for (int i = 0; i < rows; ++i) {
-      const float weight = route_weight_[first + i];
+      const float weight = routing_.weight[first + i];
       const float* y = s.down.data() + i * block_cols_;
-      float* dst = acc + size_t(route_token_[first + i]) * block_cols_;
+      float* dst = acc + size_t(routing_.token[first + i]) * block_cols_;
       for (int c = 0; c < block_cols; ++c) dst[c] += weight * y[c];
     }
   }

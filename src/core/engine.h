@@ -14,6 +14,7 @@
 #include "formats.h"
 #include "kernels.h"
 #include "packed_weights.h"
+#include "routing.h"
 #include "thread_pool.h"
 
 KT_NAMESPACE_BEGIN
@@ -130,6 +131,9 @@ class MoEEngine {
   // skipped (still counted done: a throw must not leave a worker, nor stall a phase).
   template <typename Task>
   void guarded(Task task) noexcept;
+  void reserve_buffers(int tokens);
+  void copy_tokens(const bf16_t* hidden, int tokens);
+  void begin_phases(int tokens, bf16_t* out, float* out_f32);
   void prepare_hidden_row(int t);
   void gate_up_task(int task, int next_task, ThreadScratch& scratch);
   void down_task(int block, int next_block, ThreadScratch& scratch);
@@ -160,17 +164,11 @@ class MoEEngine {
   bf16_t* out_ = nullptr;       // one of these two is set
   float* out_f32_ = nullptr;
   int tokens_ = 0;
-  std::vector<int> active_experts_;      // experts with work, in id order
-  std::vector<int> route_offset_;        // per active expert: first routed row; last = total rows
-  std::vector<int32_t> route_token_;     // per routed row: its token
-  std::vector<int32_t> route_parts_;     // per routed row, per part: its quantized hidden row
-  std::vector<int32_t> token_rows_;      // per token, per top-k slot: its routed row (-1: none)
+  Routing routing_;                      // its (token, expert) pairs, bucketed by expert
   // Prefill (more than kDecodeMaxTokens tokens): gate and up read each token's hidden row copied to
   // its routed rows (routed_hidden_, routed_q_), so an expert's rows lie together and a tile kernel
   // reads them in place instead of gathering them in every task.
   bool routed_ = false;
-  std::vector<float> route_weight_;      // per routed row: its routing weight
-  std::vector<int> expert_rows_;         // per expert id: routed rows (counting pass)
   AlignedBuffer<bf16_t> hidden_;         // [tokens, hidden_stride_]
   AlignedBuffer<bf16_t> routed_hidden_;  // [routed rows + kPaddedRows, routed_stride_] (routed_)
   AlignedBuffer<bf16_t> activation_;     // [routed rows + kPaddedRows, inter_stride_]: silu(gate) * up

@@ -68,7 +68,7 @@ void quantize_activation_row(const bf16_t* x, int k, int stride, QuantizedRowOut
 
 // The activation rows a GEMM reads: row i is base + (row_ids ? row_ids[i] : i) * stride, bf16,
 // readable (zero padded) up to round_up(k, 2) elements; for the formats multiplied in integers
-// (INT8, INT4, MXFP4) also `quantized`, indexed the same way.
+// (FormatTraits::quantized_activations()) also `quantized`, indexed the same way.
 // scratch: kernel_scratch_bytes(rows, k) bytes, sized by the caller before the job starts, for a
 // kernel that widens or gathers its rows first.
 constexpr int kPaddedRows = 32;

@@ -10,7 +10,13 @@ prefix: ``layers.{L}.ffn.experts.{e}.{w1,w3,w2}.{weight,scale}`` with w1 = gate,
 weight I8 ``[N, K/2]`` (two E2M1 codes per byte), scale F8_E8M0 or U8 ``[N, K/32]``. Only the
 requested layer is read, tensor by tensor.
 
-read_layer and LayerReader take either of these, or a Hugging Face model directory as it ships
+gpt-oss layout (MXFP4 experts with biases, loaded without conversion), optionally under a
+``model.`` prefix: ``layers.{L}.mlp.experts.{gate_up,down}_proj_{blocks,scales,bias}``, all experts in
+one tensor; blocks U8 ``[E, N, K/32, 16]`` (two E2M1 codes per byte, the low nibble first), scales
+U8 ``[E, N, K/32]`` (E8M0), bias ``[E, N]`` (float); gate and up interleaved along N (gate the even
+rows, up the odd ones), as gpt-oss's ``gate_up[..., ::2]`` and ``[..., 1::2]``.
+
+read_layer and LayerReader take any of these, or a Hugging Face model directory as it ships
 (kt_kernel.sources). Files are read through kt_kernel.safetensors_io.
 """
 
@@ -93,6 +99,52 @@ def read_v4_flash_experts(
     return result
 
 
+def gpt_oss_prefix(files: dict[str, Path], layer: int) -> str | None:
+    """The prefix of layer ``layer``'s experts in the gpt-oss layout ("model." or ""), None if not."""
+    for prefix in ("model.", ""):
+        if f"{prefix}layers.{layer}.mlp.experts.gate_up_proj_blocks" in files:
+            return prefix
+    return None
+
+
+def expect(key: str, tensor: torch.Tensor, ok: bool, expected: str) -> None:
+    """CheckpointError naming the tensor, its dtype and shape, and what was expected, unless ok."""
+    if not ok:
+        raise CheckpointError(
+            f"tensor {key!r} has dtype {tensor.dtype} and shape {list(tensor.shape)}, expected {expected}"
+        )
+
+
+def read_gpt_oss_experts(
+    files: dict[str, Path], layer: int, experts: Experts, prefix: str
+) -> dict[str, torch.Tensor]:
+    """gpt-oss's MXFP4 experts of one layer, bit for bit, as canonical uint8 tensors: gate/up/down
+    [E, N, K/2], their E8M0 scales [E, N, K/32], and the biases gate_bias/up_bias [E, I], down_bias
+    [E, H] (float32): the keyword names of load_weights_from_tensors."""
+    experts = expert_range(experts)
+    base = f"{prefix}layers.{layer}.mlp.experts"
+    rows = slice(experts.start, experts.stop)
+    result: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        reader = TensorReader(files, stack)
+        for fused, names in (("gate_up", ("gate", "up")), ("down", ("down",))):
+            keys = [f"{base}.{fused}_proj_{kind}" for kind in ("blocks", "scales", "bias")]
+            blocks, scales, bias = (reader.read(key, rows) for key in keys)
+            four_d = blocks.dim() == 4 and blocks.shape[-1] == 16
+            expect(keys[0], blocks, blocks.dtype == torch.uint8 and four_d, "U8 [E, N, K/32, 16]")
+            expect(keys[1], scales, scales.dtype == torch.uint8 and scales.shape == blocks.shape[:3],
+                   f"U8 {list(blocks.shape[:3])}")  # fmt: skip
+            expect(keys[2], bias, bias.dtype.is_floating_point and bias.shape == blocks.shape[:2],
+                   f"a float tensor {list(blocks.shape[:2])}")  # fmt: skip
+            values = blocks.reshape(*blocks.shape[:2], -1)
+            for offset, name in enumerate(names):  # gate_up: gate on the even rows, up on the odd ones
+                pick = slice(offset, None, len(names))
+                result[name] = values[:, pick].contiguous()
+                result[f"{name}_scale"] = scales[:, pick].contiguous()
+                result[f"{name}_bias"] = bias[:, pick].float().contiguous()
+    return result
+
+
 def read_manifest(path: str | Path) -> dict | None:
     """The manifest of a converted checkpoint directory, or None where the directory has none.
     CheckpointError, naming the manifest, for one that is not a regular file or not well formed."""
@@ -165,8 +217,8 @@ def read_converted_layer(
 def read_layer(path: str | Path, layer: int, experts: Experts, method: str) -> dict[str, torch.Tensor]:
     """Experts 0..experts-1 (or the range ``experts``) of one layer of a checkpoint directory, as the
     keyword arguments of KTMoEWrapper.load_weights_from_tensors: a converted checkpoint in the
-    method's format, one in the DeepSeek-V4-Flash layout (MXFP4), or a Hugging Face model directory
-    as it ships (BF16, FP8, INT4)."""
+    method's format, one in the DeepSeek-V4-Flash or gpt-oss layout (MXFP4), or a Hugging Face model directory
+    as it ships (the formats with ``source_dtypes`` in the registry, kt_kernel.formats)."""
     return LayerReader(path, layer, method).read(experts)
 
 
@@ -187,8 +239,10 @@ class LayerReader:
         if self._converted:
             return
         fmt = formats.get(method)
+        self._gpt_oss_prefix: str | None = None
         if fmt.name == V4_FLASH_FORMAT:
             self._files = index_checkpoint(path)
+            self._gpt_oss_prefix = gpt_oss_prefix(self._files, layer)
         else:
             require_source_format(path, fmt)
             self._source = source_layer(path, layer, fmt, index_checkpoint(path))
@@ -202,6 +256,8 @@ class LayerReader:
     def read(self, experts: Experts) -> dict[str, torch.Tensor]:
         if self._converted:
             return read_converted_layer(self.path, self.layer, experts, self.method)
+        if self._gpt_oss_prefix is not None:
+            return read_gpt_oss_experts(self._files, self.layer, experts, self._gpt_oss_prefix)
         if self._files is not None:
             return read_v4_flash_experts(self.path, self.layer, experts, self._files)
         assert self._source is not None

@@ -318,11 +318,11 @@ def convert_checkpoint(
 ) -> dict:
     """Convert the routed experts of ``input_dir`` into ``output_dir`` (see the module docstring).
 
-    ``method``: INT4, INT8, MXFP4 or BF16 (or an alias such as AMXINT4); ``layers``: a subset of
-    the layer indices (default: all MoE layers); ``resume``: skip layers already complete in
-    ``output_dir``. Returns the manifest. Raises CheckpointError (a ValueError) for unreadable,
-    incomplete or non-finite input, ValueError for a conflicting OUTPUT_DIR or impossible options,
-    OSError naming the file when OUTPUT_DIR cannot be written (a full disk).
+    ``method``: a registered format (kt_kernel.formats.FORMATS) or an alias such as AMXINT4;
+    ``layers``: a subset of the layer indices (default: all MoE layers); ``resume``: skip layers
+    already complete in ``output_dir``. Returns the manifest. Raises CheckpointError (a ValueError)
+    for unreadable, incomplete or non-finite input, ValueError for a conflicting OUTPUT_DIR or
+    impossible options, OSError naming the file when OUTPUT_DIR cannot be written (a full disk).
     """
     fmt = formats.get(method)
     source_path, output = Path(input_dir).resolve(), Path(output_dir).resolve()

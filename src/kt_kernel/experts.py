@@ -178,7 +178,8 @@ class KTMoEWrapper:
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
         self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
-        self._biases = False  # expert biases loaded
+        # Expert biases loaded, per slot (kt_kernel.weights.prepare_biases), or None.
+        self._bias_table: dict[str, torch.Tensor] | None = None
         # skip_gpu_expert_cpu_copy: the slots left out of CPU memory (GPU experts at load), and where
         # load_weights read each slot's expert from (None: the weights came from tensors).
         self._unpacked: torch.Tensor | None = None
@@ -310,7 +311,7 @@ class KTMoEWrapper:
         """Every slot of every engine unpacked: the parts of a load follow (_load_part)."""
         self._loaded = False
         self._zero_points = False
-        self._biases = False
+        self._bias_table = None
         self._source_of_slot = None
         self._unpacked = self._gpu_experts_mask.clone() if self.skip_gpu_expert_cpu_copy else None
         for sp in self._subpools:
@@ -361,8 +362,14 @@ class KTMoEWrapper:
             )
             sp.engine.load(*tensors, slot_map, **zeros)
         if any(b is not None for b in biases.values()):
-            self._biases = True
-            gate, up, down = biases.values()
+            # Each part's slots hold their experts' biases, the others zeros: a load in parts (and an
+            # expert the mask hands back later) adds its slots to the table.
+            table = self._bias_table if part and self._bias_table is not None else {}
+            for name, bias in biases.items():
+                if bias is not None:
+                    table[name] = bias if name not in table else table[name] + bias
+            self._bias_table = table
+            gate, up, down = (table.get(name) for name in ("gate_bias", "up_bias", "down_bias"))
             for index, sp in enumerate(self._subpools):  # gate/up biases sliced; down's added once
                 sliced = [None if b is None else b[:, sp.start : sp.stop].contiguous() for b in (gate, up)]
                 sp.engine.set_biases(*sliced, down if index == 0 else None)
@@ -372,7 +379,8 @@ class KTMoEWrapper:
 
         A directory written by ``kt-kernel convert`` (it holds kt_manifest.json) in the method's
         format; otherwise a Hugging Face model directory as it ships (BF16, FP8, compressed-tensors or
-        GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash layout (see kt_kernel.checkpoint).
+        GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash or gpt-oss layout (with its expert biases; see
+        kt_kernel.checkpoint).
         Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to, read and
         packed in LOAD_PARTS parts: the memory it needs beyond the packed layer is about one part.
         Where a part fails, the layer is left unloaded.
@@ -411,6 +419,7 @@ class KTMoEWrapper:
                     torch.where(in_part, slot_map - experts.start, -1),
                     {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
                     {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
+                    {name: tensors.get(name) for name in ("gate_bias", "up_bias", "down_bias")},
                     part=True,
                     first_expert=experts.start,
                 )
@@ -444,6 +453,7 @@ class KTMoEWrapper:
                     torch.where(torch.arange(self.num_experts) == slot, 0, -1),
                     {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
                     {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
+                    {name: tensors.get(name) for name in ("gate_bias", "up_bias", "down_bias")},
                     part=True,
                     first_expert=source,
                 )
@@ -733,7 +743,7 @@ class KTMoEWrapper:
             self._require_idle("write weights back")
             if not self._loaded:
                 raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
-            if self._zero_points or self._biases:
+            if self._zero_points or self._bias_table is not None:
                 what = "zero points (asymmetric INT4)" if self._zero_points else "expert biases"
                 raise NotImplementedError(
                     f"weights loaded with {what} have no GPU buffer layout: the buffers hold values and "
