@@ -5,6 +5,7 @@ parameters released, configure's checks, refused activations, chunked calls and 
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")  # CI installs it (the test extra): a guard only
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config  # noqa: E402
 
 import kt_kernel.integrations.transformers as kt_transformers  # noqa: E402
 from kt_kernel import KTMoEWrapper, quant  # noqa: E402
@@ -225,6 +227,39 @@ def test_quantized_formats(family, weight_format):
     quantization_error = relative_error(want_stored, want)
     assert relative_error(got, want) < quantization_error + BF16_BOUND
     assert quantization_error < {"INT8": 0.02, "FP8": 0.06, "INT4": 0.25, "MXFP4": 0.25}[weight_format]
+
+
+def mxfp4_checkpoint(directory) -> None:
+    """A tiny gpt-oss saved as its MXFP4 checkpoints ship: {gate_up,down}_proj_blocks [E, N, K/32, 16]
+    (two E2M1 codes a byte, the low nibble first) and _scales [E, N, K/32] (E8M0), N the outputs."""
+    tiny_model("gpt_oss").save_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).transpose(1, 2).contiguous()  # gpt-oss holds them transposed
+        codes, scales = quant.quantize("MXFP4", rows)
+        tensors[f"{name}_blocks"] = codes.reshape(*rows.shape[:2], -1, 16).contiguous()
+        tensors[f"{name}_scales"] = scales.view(torch.uint8).contiguous()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_mxfp4_checkpoint_runs_its_own_weights(tmp_path):
+    """Without a GPU transformers dequantizes an MXFP4 checkpoint (Mxfp4Config(dequantize=True): no
+    accelerate needed); MXFP4 packs those weights back exactly, so kt_kernel runs the checkpoint's
+    codes, as close to eager as BF16 is."""
+    mxfp4_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation="kt_kernel", quantization_config=Mxfp4Config(dequantize=True)
+    )
+    kt_transformers.configure(weight_format="MXFP4", keep_weights=True)
+    for module in experts_modules(model):
+        assert type(module).__name__ == "GptOssExperts"  # transformers' own, dispatched to kt_kernel
+        rows = module.gate_up_proj.detach().transpose(1, 2)
+        assert torch.equal(stored("MXFP4", rows, transposed=False), rows)  # exact: nothing re-rounded
+        call = routed_call(module)
+        assert relative_error(kt_kernel(module, *call), eager(module, *call)) < BF16_BOUND
 
 
 @pytest.mark.parametrize("keep_weights", [False, True])
