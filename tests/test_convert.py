@@ -299,7 +299,7 @@ def test_cli_layers_subset_resume_and_format_clash(tmp_path, models, capsys):
     assert main(["convert", str(source), str(out), "--format", "mxfp4", "--resume"]) == 1
     assert "already holds BF16 weights" in capsys.readouterr().err
     assert main(["convert", str(source), str(tmp_path / "o1"), "--format", "int8", "--group-size", "64"]) == 1
-    assert "--group-size applies to int4 only" in capsys.readouterr().err
+    assert "--group-size applies to int4 and fp8 only" in capsys.readouterr().err
     assert main(["convert", str(source), str(tmp_path / "o2"), "--format", "int4", "--group-size", "64"]) == 1
     assert "group size 64 does not divide" in capsys.readouterr().err
     assert main(["convert", str(source), str(tmp_path / "o3"), "--format", "bf16", "--layers", "0-1"]) == 1

@@ -73,7 +73,7 @@ def test_bad_arguments():
         quant.quantize("AMXINT4", torch.randn(4, 96), group_size=48)
     with pytest.raises(ValueError, match="multiple of group_size 64"):
         quant.quantize("INT4", torch.randn(4, 96), group_size=64)
-    with pytest.raises(ValueError, match="INT4 only"):
+    with pytest.raises(ValueError, match="INT4 and FP8 only"):
         quant.quantize("INT8", torch.randn(4, 32), group_size=32)
     assert quant.quantize("bf16", torch.randn(2, 3))[0].dtype == torch.bfloat16
 

@@ -20,6 +20,7 @@ SUITES = [
     "tests/test_fp8_kernels.py",
     "tests/test_accuracy.py",
     "tests/test_biases.py",
+    "tests/test_mxfp8.py",
 ]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},

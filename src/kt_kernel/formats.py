@@ -49,11 +49,20 @@ E8M0_NAN = 0xFF
 _E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)])
 _E2M1_SIGNED = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES])
 _FLOAT_SCALES = (torch.float32, torch.bfloat16)
+_E8M0_SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8_MAX = 448.0  # the largest E4M3 "fn" value
 FP8_BLOCK = 128  # DeepSeek's scale blocks: 128 x 128 weights
+MX_BLOCK = 32  # OCP MX formats (MXFP8, MXFP4): one E8M0 scale per 32 inputs of a row
 
 #: A projection's expected shape for a last dimension of K / d, and how a message writes it.
 ShapeOf = Callable[[int], tuple[tuple[int, ...], str]]
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales (uint8 or float8_e8m0fnu) as float32 2^(s - 127), exactly; NaN for 0xFF."""
+    bits = scale.view(torch.uint8)
+    factor = torch.exp2(bits.float() - E8M0_BIAS)
+    return torch.where(bits == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -362,8 +371,7 @@ class _Mxfp4(WeightFormat):
     def _decode(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         scales = scales.view(torch.uint8)
         values = _E2M1_SIGNED[_unpack_nibbles(codes).long()]
-        factor = torch.exp2(scales.float() - E8M0_BIAS)
-        factor = torch.where(scales == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
+        factor = e8m0_to_float(scales)
         blocks = values.reshape(*scales.shape, self.scale_groups[0]) * factor[..., None]
         return blocks.reshape(values.shape)
 
@@ -416,8 +424,9 @@ class _Int4(_FloatScaled):
 
 
 class _Fp8(_FloatScaled):
-    """E4M3 ("fn") codes, one byte per weight, with a float32 scale per output row or per 128
-    inputs; DeepSeek's scales per 128 x 128 block are expanded along the rows on load."""
+    """E4M3 ("fn") codes, one byte per weight, with a float32 scale per output row, per 32 inputs
+    (MXFP8: its E8M0 scales taken as floats, exactly) or per 128 inputs; DeepSeek's scales per
+    128 x 128 block are expanded along the rows on load."""
 
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = weight.float().reshape(*weight.shape[:-1], -1, group or weight.shape[-1])
@@ -449,7 +458,8 @@ class _Fp8(_FloatScaled):
         """FP8 codes ``[..., N, K]`` and their scales as a checkpoint stores them -> canonical
         (uint8 codes, float32 scales ``[..., N, scales per row]``): ``[..., N]`` or ``[..., N, 1]``
         per channel, ``[..., N/128, K/128]`` rounded up (DeepSeek's 128 x 128 blocks, expanded along
-        N) or ``[..., N, K/128]``. ValueError for a NaN code or a scale that fits none of these."""
+        N), ``[..., N, K/128]``, or ``[..., N, K/32]`` (MXFP8's blocks; its E8M0 scales as uint8 or
+        float8_e8m0fnu). ValueError for a NaN code or a scale that fits none of these."""
         codes = codes.contiguous().view(torch.uint8)
         nan = (codes & 0x7F) == 0x7F
         if nan.any():
@@ -458,16 +468,27 @@ class _Fp8(_FloatScaled):
         *lead, n, k = codes.shape
         blocks = (*lead, -(-n // FP8_BLOCK), k // FP8_BLOCK)
         shape = tuple(scale.shape)
-        if shape in ((*lead, n), (*lead, n, 1)):
+        mx_shape = (*lead, n, k // MX_BLOCK)
+        if scale.dtype in _E8M0_SCALES:
+            if k % MX_BLOCK or shape != mx_shape:
+                raise ValueError(
+                    f"{scale_name} holds E8M0 scales ({scale.dtype}): MXFP8's, shaped {list(mx_shape)} "
+                    f"(one per {MX_BLOCK} inputs), got {list(shape)}"
+                )
+            scale = e8m0_to_float(scale)
+        elif shape in ((*lead, n), (*lead, n, 1)):
             scale = scale.reshape(*lead, n, 1)
         elif k % FP8_BLOCK == 0 and shape == (*lead, n, k // FP8_BLOCK):
             pass
         elif k % FP8_BLOCK == 0 and shape == blocks:
             scale = scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
+        elif k % MX_BLOCK == 0 and shape == mx_shape:
+            pass
         else:
             raise ValueError(
                 f"{scale_name} must have shape {[*lead, n]} (per channel), {list(blocks)} (scales per "
-                f"{FP8_BLOCK} x {FP8_BLOCK} block) or {[*lead, n, k // FP8_BLOCK]}, got {list(shape)}"
+                f"{FP8_BLOCK} x {FP8_BLOCK} block), {[*lead, n, k // FP8_BLOCK]} or {list(mx_shape)} "
+                f"(MXFP8), got {list(shape)}"
                 + (
                     ""
                     if k % FP8_BLOCK == 0
@@ -490,7 +511,7 @@ MXFP4 = _Mxfp4(
     "MXFP4",
     value_dtypes=(torch.uint8, torch.int8),
     values_text="MXFP4 codes as uint8 or int8",
-    scale_dtypes=(torch.uint8, torch.float8_e8m0fnu),
+    scale_dtypes=_E8M0_SCALES,
     scales_text="uint8 or float8_e8m0fnu (E8M0)",
 )
 INT8 = _Int8(
@@ -513,11 +534,11 @@ INT4 = _Int4(
 
 FP8 = _Fp8(
     "FP8",
-    aliases=("FP8_PERCHANNEL",),
+    aliases=("FP8_PERCHANNEL", "MXFP8"),
     value_dtypes=(torch.uint8, torch.float8_e4m3fn),
     values_text="FP8 E4M3 codes as uint8 or float8_e4m3fn",
-    scale_dtypes=_FLOAT_SCALES,
-    scales_text="float32 or bfloat16",
+    scale_dtypes=(*_FLOAT_SCALES, *_E8M0_SCALES),
+    scales_text="float32 or bfloat16 (MXFP8's E8M0: uint8 or float8_e8m0fnu)",
     source_dtypes=("F8_E4M3",),
 )
 

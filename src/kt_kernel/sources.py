@@ -3,7 +3,8 @@ ships (what ``kt-kernel convert`` and read_layer read), one expert at a time.
 
 ExpertSource finds the routed experts by one of NAMINGS and checks a layer from the headers
 (describe); it reads each expert's weights as stored: float weights as they are, FP8 codes with
-their scales (``weight_scale_inv`` per 128 x 128 block, or ``weight_scale`` per output channel),
+their scales (``weight_scale_inv`` per 128 x 128 block or, MXFP8 as MiniMax-M3 ships it, E8M0 per 32
+inputs of a row; or ``weight_scale`` per output channel),
 INT4 as compressed-tensors packs it (``weight_packed``) or GPTQ does (``qweight``). Which format a
 layer is in, and which formats a source directory may be read in, the format registry says
 (WeightFormat.source_dtypes). Files are read through kt_kernel.safetensors_io.
@@ -38,6 +39,8 @@ FP8_BLOCK = 128
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 #: FP8 weights, each with a scale tensor beside it (ExpertSource._fp8_scale).
 _FP8_DTYPE = "F8_E4M3"
+#: MXFP8's scales: E8M0 exponents, one per 32 inputs of a row.
+_E8M0_DTYPES = ("U8", "F8_E8M0")
 _PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
 # A weight, or the packed INT4 of compressed-tensors (Kimi-K2-Thinking) or of GPTQ.
 _WEIGHT_SUFFIX = r"(?:weight|weight_packed|qweight)$"
@@ -86,6 +89,13 @@ class MoELayer:
     hidden: int
     intermediate: int
     dtypes: frozenset[str]
+
+
+def _mx_shape(shape: list[int]) -> list[int] | None:
+    """The E8M0 scales' shape of an FP8 weight [N, K] in MXFP8's blocks of 32, where K allows them."""
+    if len(shape) != 2 or shape[1] % formats.MX_BLOCK:
+        return None
+    return [shape[0], shape[1] // formats.MX_BLOCK]
 
 
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK):
@@ -144,6 +154,18 @@ def gptq_to_int4(
 def _require_float_scale(key: str, dtype: str) -> None:
     if dtype not in _FLOAT_DTYPES:
         raise CheckpointError(f"tensor {key!r} has dtype {dtype}; scales must be BF16, F16 or F32")
+
+
+def _require_fp8_scale(key: str, dtype: str, shape: list[int], mx_shape: list[int] | None) -> None:
+    """An FP8 weight's scales: float, or E8M0 (U8, F8_E8M0) in MXFP8's blocks of 32 (``mx_shape``)."""
+    if dtype in _E8M0_DTYPES:
+        if shape != mx_shape:
+            raise CheckpointError(
+                f"tensor {key!r} holds E8M0 scales ({dtype}), MXFP8's, which take shape {mx_shape}; "
+                f"got {shape}"
+            )
+        return
+    _require_float_scale(key, dtype)
 
 
 class ExpertSource:
@@ -245,7 +267,7 @@ class ExpertSource:
         if dtype == _FP8_DTYPE:
             scale_key, expected = self._fp8_scale(key, shape)
             scale_dtype, scale_shape = self.reader.header(scale_key)
-            _require_float_scale(scale_key, scale_dtype)
+            _require_fp8_scale(scale_key, scale_dtype, scale_shape, _mx_shape(shape))
             if scale_shape not in expected:
                 shapes = " or ".join(map(str, expected))
                 raise CheckpointError(
@@ -259,10 +281,12 @@ class ExpertSource:
         return dtype, shape
 
     def _fp8_scale(self, key: str, shape: list[int]) -> tuple[str, list[list[int]]]:
-        """The scale tensor of an FP8 weight and the shapes it may have: DeepSeek's
-        ``weight_scale_inv`` per 128 x 128 block, or compressed-tensors' ``weight_scale`` per row."""
+        """The scale tensor of an FP8 weight and the shapes it may have: ``weight_scale_inv`` per
+        128 x 128 block (DeepSeek) or per 32 inputs of a row (MXFP8), or compressed-tensors'
+        ``weight_scale`` per row."""
         if key + "_scale_inv" in self.reader or key + "_scale" not in self.reader:
-            return key + "_scale_inv", [[-(-size // FP8_BLOCK) for size in shape]]
+            blocks = [-(-size // FP8_BLOCK) for size in shape]
+            return key + "_scale_inv", [blocks] + ([_mx_shape(shape)] if _mx_shape(shape) else [])
         return key + "_scale", [[shape[0], 1], [shape[0]]]
 
     def _int4_layout(self, key: str) -> str | None:
@@ -366,8 +390,14 @@ class ExpertSource:
         return tuple(self._read_weight(self.key(p, layer.index, expert)) for p in range(3))
 
     def _read_scale(self, key: str) -> torch.Tensor:
-        """A scale tensor as float32, refused unless every value is finite and positive."""
-        scale = self.reader.read(key).float()
+        """A scale tensor as float32 (E8M0 ones decoded exactly), refused unless every value is finite
+        and positive."""
+        scale = self.reader.read(key)
+        scale = (
+            formats.e8m0_to_float(scale)
+            if scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
+            else scale.float()
+        )
         bad = ~(torch.isfinite(scale) & (scale > 0))
         if bool(bad.any()):
             where = bad.nonzero()[0].tolist()
@@ -382,9 +412,12 @@ class ExpertSource:
         if weight.dtype != torch.float8_e4m3fn:
             return weight
         scale_key = self._fp8_scale(key, list(weight.shape))[0]
-        if scale_key.endswith("_scale_inv"):
-            return dequantize_fp8_blocks(weight, self.reader.read(scale_key))
-        return weight.float() * self.reader.read(scale_key).float().reshape(-1, 1)
+        if not scale_key.endswith("_scale_inv"):
+            return weight.float() * self.reader.read(scale_key).float().reshape(-1, 1)
+        scale = self._read_scale(scale_key)
+        if list(scale.shape) == _mx_shape(list(weight.shape)):  # MXFP8: per 32 inputs of a row
+            return weight.float() * scale.repeat_interleave(formats.MX_BLOCK, dim=1)
+        return dequantize_fp8_blocks(weight, scale)
 
 
 def read_source_layer(
