@@ -141,6 +141,14 @@ def test_forced_builds_hold_torch_to_their_instruction_set():
         ((build, env),) = variant_runs("avx512-plain")
         assert build == "avx512" and env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
         assert env["KT_KERNEL_DISABLE_AVX512_BF16"] == "1"
+    if "avx_vnni" in HOST_FLAGS:  # the avx2 build without AVX-VNNI, as Haswell and Zen 1-4 run it
+        ((build, env),) = variant_runs("avx2-plain")
+        assert (
+            build == "avx2"
+            and env["KT_KERNEL_DISABLE_AVX_VNNI"] == "1"
+            and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+        )
+        assert [name for name, _ in variant_runs("all")].count("avx2") == 2
 
 
 def guard_row(fmt: str, ms: float, torch_ms: float) -> dict:

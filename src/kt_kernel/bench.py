@@ -200,12 +200,15 @@ def call_inputs(shape: str, tokens: int, count: int):
 
 
 def build_label(kernels: dict[str, str]) -> str:
-    """The build's name, "-plain" when an AVX512 build runs without its BF16 and VNNI paths."""
+    """The build's name, "-plain" when an AVX512 build runs without its BF16 and VNNI paths, or the
+    AVX2 build without the AVX-VNNI this CPU has."""
     import kt_kernel
 
     variant = kt_kernel.__cpu_variant__
     fast = "vdpbf16ps" in kernels["bf16_path"] or "vpdpbusd" in kernels["int8_path"]
-    return variant + ("-plain" if variant != "avx2" and not fast else "")
+    if variant == "avx2":
+        return variant + ("-plain" if not fast and "avx_vnni" in host_flags() else "")
+    return variant + ("" if fast else "-plain")
 
 
 def run_worker(args: argparse.Namespace) -> dict:
@@ -311,22 +314,40 @@ def progress(done: int, total: int, what: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Parent: one subprocess per build, then the table.
 # ---------------------------------------------------------------------------------------------
-# The AVX512 build without its BF16 and VNNI paths: the code Skylake-SP runs.
-PLAIN_AVX512_ENV = {"KT_KERNEL_DISABLE_AVX512_BF16": "1", "KT_KERNEL_DISABLE_AVX512_VNNI": "1"}
+# A build without the finer paths this CPU offers it, as the CPUs without them run it: AVX512 without
+# BF16 and VNNI (Skylake-SP), AVX2 without AVX-VNNI (Haswell, Zen 1-4).
+PLAIN_ENV = {
+    "avx512-plain": {"KT_KERNEL_DISABLE_AVX512_BF16": "1", "KT_KERNEL_DISABLE_AVX512_VNNI": "1"},
+    "avx2-plain": {"KT_KERNEL_DISABLE_AVX_VNNI": "1"},
+}
 # A build forced below what the CPU has is compared with torch held to that build's instructions too,
 # as on the CPUs the loader picks that build for: oneDNN's (F.linear in bf16) and ATen's own kernels.
 TORCH_ISA_ENV = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
     "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
     "avx512-plain": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx2-plain": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
 
 
-def runnable_variants() -> list[str]:
-    from kt_kernel.loader import VARIANTS, cpu_flags, missing_flags, read_cpuinfo
+def host_flags() -> set[str]:
+    from kt_kernel.loader import cpu_flags, read_cpuinfo
 
-    flags = cpu_flags(read_cpuinfo()[0])
+    return cpu_flags(read_cpuinfo()[0])
+
+
+def runnable_variants() -> list[str]:
+    from kt_kernel.loader import VARIANTS, missing_flags
+
+    flags = host_flags()
     return [v for v in VARIANTS if not missing_flags(v, flags)]
+
+
+def plain_runs(build: str) -> tuple[str, ...]:
+    """The build's plain run where this CPU has the paths it leaves out (see PLAIN_ENV)."""
+    if build == "avx512" or (build == "avx2" and "avx_vnni" in host_flags()):
+        return (f"{build}-plain",)
+    return ()
 
 
 def variant_runs(spec: str) -> list[tuple[str, dict[str, str]]]:
@@ -339,17 +360,16 @@ def variant_runs(spec: str) -> list[tuple[str, dict[str, str]]]:
     runnable = runnable_variants()
     names = [v.strip() for v in spec.split(",")]
     if spec == "all":
-        names = [n for v in runnable for n in ((v, "avx512-plain") if v == "avx512" else (v,))]
+        names = [n for v in runnable for n in (v, *plain_runs(v))]
     runs = []
     for name in names:
-        build = "avx512" if name == "avx512-plain" else name
-        if build not in VARIANTS:
-            valid = ", ".join(["auto", "all", *VARIANTS, "avx512-plain"])
+        build = name.removesuffix("-plain")
+        if build not in VARIANTS or (name != build and name not in PLAIN_ENV):
+            valid = ", ".join(["auto", "all", *VARIANTS, *PLAIN_ENV])
             raise ValueError(f"--variant {name!r} is not a build; valid values: {valid}")
         if build not in runnable:
             raise ValueError(f"--variant {name}: this CPU cannot run the {build} build")
-        plain = PLAIN_AVX512_ENV if name == "avx512-plain" else {}
-        runs.append((build, plain | TORCH_ISA_ENV.get(name, {})))
+        runs.append((build, PLAIN_ENV.get(name, {}) | TORCH_ISA_ENV.get(name, {})))
     return runs
 
 
@@ -429,8 +449,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--variant",
         default="auto",
-        help="auto (the build import picks), all (every build this CPU runs, and avx512-plain), or a "
-        "comma list of amx, avx512, avx512-plain (AVX512 without its BF16 and VNNI paths), avx2",
+        help="auto (the build import picks), all (every build this CPU runs, and its plain runs), or a "
+        "comma list of amx, avx512, avx512-plain (AVX512 without its BF16 and VNNI paths), avx2, "
+        "avx2-plain (AVX2 without AVX-VNNI)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(

@@ -1,10 +1,11 @@
 """``python -m kt_kernel bench --guard``: never slower than torch, on whatever CPU runs it.
 
-Prefill rows (qwen3-30b, T=512) of every format on every build this CPU runs, the AVX512 build also
-without its BF16/VNNI paths, each beside torch held to that build's instruction set and timed in the same
-worker process (bench.run_worker). A row slower than torch is timed once more, alone with its baseline;
-one slower twice fails the guard (exit status 1). CI runs it after the tests, so a CPU family whose
-figures nobody looked at still cannot ship a kernel that loses to the library a user would pick instead.
+Prefill rows (qwen3-30b, T=512) of every format on every build this CPU runs, each build also without
+the finer paths this CPU offers it (avx512-plain, avx2-plain: bench.PLAIN_ENV), each row beside torch
+held to that build's instruction set and timed in the same worker process (bench.run_worker). A row
+slower than torch is timed once more, alone with its baseline; one slower twice fails the guard (exit
+status 1). CI runs it after the tests, so a CPU family whose figures nobody looked at still cannot
+ship a kernel that loses to the library a user would pick instead.
 """
 
 from __future__ import annotations
