@@ -1,6 +1,7 @@
 // The MoE expert engine: runs calls on a layer's packed experts (packed_weights.h) on a thread pool,
 //   out[t] = sum_k w[t,k] * down_e( silu(gate_e(x_t)) * up_e(x_t) ),  e = ids[t,k]
-// for the routed experts kept on the CPU.
+// for the routed experts kept on the CPU; with the expert biases loaded (ExpertWeights) added to
+// gate, up and down, and the clamped SwiGLU of EngineOptions in place of silu(g) * u.
 #pragma once
 
 #include <exception>

@@ -45,7 +45,8 @@ class KTMoEWrapper:
     """Routed experts of one MoE layer, computed on the CPU.
 
     ``forward`` returns ``out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``
-    with ``e = topk_ids[t,k]``; id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
+    with ``e = topk_ids[t,k]`` (with the expert biases, where loaded, added to gate, up and down);
+    id -1 and experts with ``gpu_experts_mask[e]`` contribute nothing.
     Keyword names follow upstream kt-kernel; ``cpu_save`` is accepted and stored. With CUDA inputs or
     a ``cuda_stream``, a call is ordered on that stream (kt_kernel.stream_path, docs/serving.md).
     ``method`` keeps the name given ('AMXINT4'); ``weight_format`` is the format it means ('INT4').
