@@ -365,7 +365,9 @@ void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_
 }
 
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (!tiles_fit<Fp8Weights>(x, w)) return avx512::paths().fp8(x, w, y, y_stride);
+  // A tile step takes 32 inputs: blocks of 16 (NVFP4's) take the AVX512 kernel.
+  if (!tiles_fit<Fp8Weights>(x, w) || w.scale_group % Bf16Rows::kStepInputs)
+    return avx512::paths().fp8(x, w, y, y_stride);
   gemm_on_tiles<Fp8Weights>(x, w, y, y_stride);
 }
 

@@ -21,6 +21,7 @@ SUITES = [
     "tests/test_accuracy.py",
     "tests/test_biases.py",
     "tests/test_mxfp8.py",
+    "tests/test_nvfp4.py",
 ]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},

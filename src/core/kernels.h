@@ -163,9 +163,10 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
 // ---- FP8 (E4M3, OCP "fn"): bf16 activations, weights decoded to bf16 in the kernel --------
-// Canonical input: codes [rows][k] uint8, float scales [rows][1] (per channel), [rows][k/32] (one
-// per 32 inputs: MXFP8's blocks, its E8M0 scales as floats) or [rows][k/128] (one per 128 inputs of a
-// row: DeepSeek's 128 x 128 blocks, expanded along the rows).
+// Canonical input: codes [rows][k] uint8, float scales [rows][1] (per channel), [rows][k/16] (one
+// per 16 inputs: NVFP4's blocks, its codes widened to E4M3), [rows][k/32] (MXFP8's blocks, its E8M0
+// scales as floats) or [rows][k/128] (one per 128 inputs of a row: DeepSeek's 128 x 128 blocks,
+// expanded along the rows).
 // Packed: per group, per input pair p, 32 bytes: row r's codes of inputs 2p, 2p+1 at bytes 2r, 2r+1
 // (zero codes pad k to even), so decoding a group byte by byte gives the BF16 layout above. Every
 // E4M3 value is exact in bf16, so the BF16 GEMM of the decoded weights is exact up to the scales,
@@ -175,7 +176,7 @@ constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 // code as a normal one (the AVX2 build's) take their exact decoder for those pairs alone, without
 // testing each pair's codes (about one code in 10^4 of real weights is such a code).
 constexpr int kFp8Block = 128;
-constexpr int kMxfp8Block = 32;
+constexpr int kMxfp8Block = 32, kNvfp4Block = 16;
 inline size_t fp8_scale_bytes(int k, int scale_group) {
   return size_t(scale_group > 0 ? k / scale_group : 1) * kGroupRows * sizeof(float);
 }

@@ -48,11 +48,13 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 _E2M1_MIDPOINTS = torch.tensor([(a + b) / 2 for a, b in zip(E2M1_VALUES[:-1], E2M1_VALUES[1:], strict=True)])
 _E2M1_SIGNED = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES])
+_E2M1_AS_E4M3 = _E2M1_SIGNED.to(torch.float8_e4m3fn).view(torch.uint8)  # every E2M1 value is an E4M3 one
 _FLOAT_SCALES = (torch.float32, torch.bfloat16)
 _E8M0_SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8_MAX = 448.0  # the largest E4M3 "fn" value
 FP8_BLOCK = 128  # DeepSeek's scale blocks: 128 x 128 weights
 MX_BLOCK = 32  # OCP MX formats (MXFP8, MXFP4): one E8M0 scale per 32 inputs of a row
+NVFP4_BLOCK = 16  # NVIDIA's NVFP4: one E4M3 scale per 16 inputs of a row, one fp32 scale per tensor
 
 #: A projection's expected shape for a last dimension of K / d, and how a message writes it.
 ShapeOf = Callable[[int], tuple[tuple[int, ...], str]]
@@ -63,6 +65,20 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     bits = scale.view(torch.uint8)
     factor = torch.exp2(bits.float() - E8M0_BIAS)
     return torch.where(bits == E8M0_NAN, torch.full_like(factor, float("nan")), factor)
+
+
+def nvfp4_to_fp8(
+    values: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 as ModelOpt stores it -> FP8 (codes uint8 [..., N, K], float32 scales [..., N, K/16]),
+    exactly: E2M1 codes [..., N, K/2] (two per byte, the low nibble first) become the E4M3 codes of
+    the same values, and each block's E4M3 scale [..., N, K/16] times the fp32 ``global_scale`` (a
+    scalar, or one per leading index) is one fp32 product, never rounded to bf16. The codes take a
+    byte per weight: twice NVFP4's memory."""
+    codes = _E2M1_AS_E4M3[_unpack_nibbles(values).long()]
+    scale = torch.as_tensor(global_scale, dtype=torch.float32)
+    scale = scale.reshape(*scale.shape, *([1] * (block_scales.dim() - scale.dim())))
+    return codes, (block_scales.view(torch.float8_e4m3fn).float() * scale).contiguous()
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -478,17 +494,15 @@ class _Fp8(_FloatScaled):
             scale = e8m0_to_float(scale)
         elif shape in ((*lead, n), (*lead, n, 1)):
             scale = scale.reshape(*lead, n, 1)
-        elif k % FP8_BLOCK == 0 and shape == (*lead, n, k // FP8_BLOCK):
-            pass
         elif k % FP8_BLOCK == 0 and shape == blocks:
             scale = scale.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
-        elif k % MX_BLOCK == 0 and shape == mx_shape:
-            pass
+        elif any(g and k % g == 0 and shape == (*lead, n, k // g) for g in self.scale_groups):
+            pass  # one scale per 16 (NVFP4's blocks), 32 (MXFP8's) or 128 inputs of a row
         else:
             raise ValueError(
                 f"{scale_name} must have shape {[*lead, n]} (per channel), {list(blocks)} (scales per "
-                f"{FP8_BLOCK} x {FP8_BLOCK} block), {[*lead, n, k // FP8_BLOCK]} or {list(mx_shape)} "
-                f"(MXFP8), got {list(shape)}"
+                f"{FP8_BLOCK} x {FP8_BLOCK} block) or [{', '.join(map(str, (*lead, n)))}, K/G] with G in "
+                f"{[g for g in self.scale_groups if g]}, got {list(shape)}"
                 + (
                     ""
                     if k % FP8_BLOCK == 0
@@ -534,12 +548,12 @@ INT4 = _Int4(
 
 FP8 = _Fp8(
     "FP8",
-    aliases=("FP8_PERCHANNEL", "MXFP8"),
+    aliases=("FP8_PERCHANNEL", "MXFP8", "NVFP4"),
     value_dtypes=(torch.uint8, torch.float8_e4m3fn),
     values_text="FP8 E4M3 codes as uint8 or float8_e4m3fn",
     scale_dtypes=(*_FLOAT_SCALES, *_E8M0_SCALES),
     scales_text="float32 or bfloat16 (MXFP8's E8M0: uint8 or float8_e8m0fnu)",
-    source_dtypes=("F8_E4M3",),
+    source_dtypes=("F8_E4M3", "NVFP4"),  # NVFP4: U8 E2M1 pairs with E4M3 and fp32 scales (sources.py)
 )
 
 #: Every format by name, in the order command-line choices list them.

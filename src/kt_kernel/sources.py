@@ -46,6 +46,9 @@ _PREFIX = r"^(?P<prefix>(?:[\w-]+\.)*?)layers\.(?P<layer>\d+)\."
 _WEIGHT_SUFFIX = r"(?:weight|weight_packed|qweight)$"
 #: How MoELayer.dtypes, and the registry's source_dtypes, name INT4 sources (their tensors are I32).
 _INT4_DTYPE = "I4"
+#: How MoELayer.dtypes, and FP8's source_dtypes, name NVFP4 weights (ModelOpt): U8 E2M1 pairs with a
+#: ``weight_scale`` F8_E4M3 per 16 inputs and a ``weight_scale_2`` F32 per tensor, read as FP8 exactly.
+_NVFP4_DTYPE = "NVFP4"
 
 
 @dataclass(frozen=True)
@@ -264,6 +267,8 @@ class ExpertSource:
         if key not in self.reader and self._int4_layout(key):
             return _INT4_DTYPE, self._int4_shape(key)
         dtype, shape = self.reader.header(key)
+        if dtype == "U8" and key + "_scale_2" in self.reader:
+            return _NVFP4_DTYPE, self._nvfp4_shape(key, shape)
         if dtype == _FP8_DTYPE:
             scale_key, expected = self._fp8_scale(key, shape)
             scale_dtype, scale_shape = self.reader.header(scale_key)
@@ -279,6 +284,33 @@ class ExpertSource:
         if len(shape) != 2:
             raise CheckpointError(f"tensor {key!r} has shape {shape}, expected 2-D")
         return dtype, shape
+
+    def _nvfp4_shape(self, key: str, shape: list[int]) -> list[int]:
+        """[N, K] of an NVFP4 weight stored [N, K/2], its scales checked (headers only)."""
+        if len(shape) != 2:
+            raise CheckpointError(f"tensor {key!r} has shape {shape}, expected 2-D (NVFP4: [N, K/2])")
+        n, k = shape[0], 2 * shape[1]
+        expected = {
+            key + "_scale": ("F8_E4M3", [[n, k // formats.NVFP4_BLOCK]]),
+            key + "_scale_2": ("F32", [[], [1]]),
+        }
+        for scale_key, (dtype, shapes) in expected.items():
+            got_dtype, got_shape = self.reader.header(scale_key)
+            if got_dtype != dtype or got_shape not in shapes or k % formats.NVFP4_BLOCK:
+                raise CheckpointError(
+                    f"tensor {scale_key!r} has dtype {got_dtype} and shape {got_shape}; NVFP4's {key!r} "
+                    f"{shape} needs {dtype} {' or '.join(map(str, shapes))}"
+                )
+        return [n, k]
+
+    def _read_nvfp4(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An NVFP4 weight as FP8 codes [N, K] and float32 scales [N, K/16] (formats.nvfp4_to_fp8)."""
+        global_scale = self.reader.read(key + "_scale_2").reshape(())
+        if not bool(torch.isfinite(global_scale)):
+            raise CheckpointError(
+                f"tensor {key + '_scale_2'!r} holds {global_scale.item()}: scales must be finite"
+            )
+        return formats.nvfp4_to_fp8(self.reader.read(key), self.reader.read(key + "_scale"), global_scale)
 
     def _fp8_scale(self, key: str, shape: list[int]) -> tuple[str, list[list[int]]]:
         """The scale tensor of an FP8 weight and the shapes it may have: ``weight_scale_inv`` per
@@ -339,6 +371,9 @@ class ExpertSource:
             key = self.key(projection, layer.index, expert)
             if key not in self.reader and self._int4_layout(key):
                 stored.append(self._read_int4(key))
+                continue
+            if key + "_scale_2" in self.reader:
+                stored.append(self._read_nvfp4(key))
                 continue
             weight = self.reader.read(key)
             if weight.dtype != torch.float8_e4m3fn:
@@ -408,6 +443,8 @@ class ExpertSource:
         return scale
 
     def _read_weight(self, key: str) -> torch.Tensor:
+        if key + "_scale_2" in self.reader:
+            return formats.FP8.dequantize(*self._read_nvfp4(key))
         weight = self.reader.read(key)
         if weight.dtype != torch.float8_e4m3fn:
             return weight

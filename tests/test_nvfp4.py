@@ -1,0 +1,126 @@
+"""NVFP4 (NVIDIA ModelOpt: E2M1 values, an E4M3 scale per 16 inputs, an fp32 scale per tensor) runs
+exactly as FP8 with blocks of 16: every E2M1 value is an E4M3 code, and the two scales' product is one
+fp32 product, never rounded to bf16. From tensors (formats.nvfp4_to_fp8) and from a ModelOpt checkpoint;
+within 0.5 % of fp64 on the stored weights, outlier activations included. Run under every build by
+test_variants.py; the amx build's tiles, which take 32 inputs a step, leave blocks of 16 to its AVX512
+kernel (checked on emulated tiles)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_accuracy import BOUND, activations, reference, relative_error, routing
+
+from kt_kernel import formats
+
+from conftest import skip_unless_cpu_runs
+from moe_reference import moe_wrapper
+
+EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 256, 96
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+GLOBAL = 1 / 3  # not a bf16 number: a product rounded to bf16 would show
+
+
+def nvfp4(rows: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random E2M1 pairs [rows, k/2] and E4M3 block scales [rows, k/16] (0.05 to 1.5, as uint8)."""
+    values = torch.randint(0, 256, (rows, k // 2), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(rows, k // 16, generator=g) * 1.45 + 0.05).to(torch.float8_e4m3fn)
+    return values, scales.view(torch.uint8)
+
+
+def decoded(values: torch.Tensor, scales: torch.Tensor, global_scale: float = GLOBAL) -> torch.Tensor:
+    """fp64 weights as NVFP4 defines them: E2M1 (low nibble first) x E4M3 block scale x global."""
+    codes = torch.stack([values & 0x0F, values >> 4], dim=-1).reshape(*values.shape[:-1], -1).long()
+    block = scales.view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=-1)
+    return E2M1.double()[codes] * block * global_scale
+
+
+def expert_weights(seed: int = 0) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"gate_proj": (INTER, HIDDEN), "up_proj": (INTER, HIDDEN), "down_proj": (HIDDEN, INTER)}
+    return {name: [nvfp4(*shape, g) for _ in range(EXPERTS)] for name, shape in shapes.items()}
+
+
+def exact(weights) -> list[torch.Tensor]:
+    return [torch.stack([decoded(*pair) for pair in pairs]) for pairs in weights.values()]
+
+
+def test_the_scales_are_one_fp32_product():
+    values, scales = nvfp4(4, 64, torch.Generator().manual_seed(1))
+    codes, fp8_scales = formats.nvfp4_to_fp8(values, scales, GLOBAL)
+    product = scales.view(torch.float8_e4m3fn).float() * torch.tensor(GLOBAL, dtype=torch.float32)
+    assert torch.equal(fp8_scales, product) and not torch.equal(fp8_scales, product.bfloat16().float())
+    weights = formats.FP8.dequantize(codes, fp8_scales).double()  # E2M1 x one fp32 product
+    assert torch.allclose(weights, decoded(values, scales), rtol=2**-22, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_nvfp4_from_tensors(tokens):
+    weights = expert_weights()
+    stacked = [(torch.stack([v for v, _ in p]), torch.stack([s for _, s in p])) for p in weights.values()]
+    converted = [formats.nvfp4_to_fp8(values, scales, GLOBAL) for values, scales in stacked]
+    moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4")
+    scales = dict(zip(("gate_scale", "up_scale", "down_scale"), (s for _, s in converted), strict=True))
+    moe.load_weights_from_tensors(*(c for c, _ in converted), **scales)
+    x = activations(tokens, HIDDEN, 100)
+    ids, topk_weights = routing(tokens, EXPERTS, TOP_K, hot=True)
+    error = relative_error(moe.forward(x, ids, topk_weights), reference(exact(weights), x, ids, topk_weights))
+    assert error < BOUND, f"relative error {error:.4%}"
+
+
+def write_modelopt(directory, weights, layer: int = 0) -> None:
+    tensors = {"model.embed_tokens.weight": torch.zeros(4, HIDDEN, dtype=torch.bfloat16)}
+    for name, pairs in weights.items():
+        for expert, (values, scales) in enumerate(pairs):
+            key = f"model.layers.{layer}.mlp.experts.{expert}.{name}.weight"
+            tensors[key] = values
+            tensors[key + "_scale"] = scales.view(torch.float8_e4m3fn)
+            tensors[key + "_scale_2"] = torch.tensor(GLOBAL, dtype=torch.float32)
+            tensors[key.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)  # ignored
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def test_nvfp4_checkpoint_as_modelopt_writes_it(tmp_path):
+    weights = expert_weights(2)
+    write_modelopt(tmp_path, weights)
+    moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4", weight_path=str(tmp_path))
+    moe.load_weights()
+    x = activations(33, HIDDEN, 100)
+    ids, topk_weights = routing(33, EXPERTS, TOP_K, hot=True)
+    error = relative_error(moe.forward(x, ids, topk_weights), reference(exact(weights), x, ids, topk_weights))
+    assert error < BOUND, f"relative error {error:.4%}"
+
+
+def test_a_bad_nvfp4_scale_is_an_error_naming_it(tmp_path):
+    from kt_kernel.safetensors_io import CheckpointError
+
+    weights = expert_weights(3)
+    weights["up_proj"][4] = (weights["up_proj"][4][0], weights["up_proj"][4][1][:, :3].contiguous())
+    write_modelopt(tmp_path, weights)
+    moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4", weight_path=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"experts\.4\.up_proj\.weight_scale"):
+        moe.load_weights()
+
+
+def test_amx_tiles_leave_blocks_of_16_to_the_avx512_kernel():
+    skip_unless_cpu_runs("avx512")
+    try:
+        emulated = importlib.import_module("kt_kernel._kt_kernel_amx_emulated")
+    except ModuleNotFoundError:
+        pytest.skip("built without -C cmake.define.KT_KERNEL_AMX_EMULATION=ON (see ci/run_tests.sh)")
+    values, scales = nvfp4(48, 256, torch.Generator().manual_seed(4))
+    codes, fp8_scales = formats.nvfp4_to_fp8(values, scales, GLOBAL)
+    x = activations(32, 256, 100)
+    ref = x.double() @ decoded(values, scales).T
+    for group, tiled in ((16, False), (32, True)):
+        s = fp8_scales if group == 16 else fp8_scales.reshape(48, -1, 2)[..., 0].contiguous()
+        weight = formats.FP8.dequantize(codes, s).double()
+        y = torch.empty(32, 48)
+        before = emulated.kernel_info()["emulated_tile_products"]
+        emulated.linear("FP8", x.view(torch.int16), codes, s, y)
+        assert (emulated.kernel_info()["emulated_tile_products"] > before) == tiled
+        expected = ref if group == 16 else x.double() @ weight.T
+        assert relative_error(y, expected) < 1e-5, group
