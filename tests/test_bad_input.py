@@ -43,7 +43,7 @@ def inputs(tokens: int = 3):
 @pytest.mark.parametrize(
     "overrides,error,match",
     [
-        ({"method": "NVFP4"}, ValueError, "unknown method 'NVFP4'.*BF16.*FP8_PERCHANNEL"),
+        ({"method": "NF4"}, ValueError, "unknown method 'NF4'.*BF16.*FP8_PERCHANNEL"),
         ({"method": None}, ValueError, "unknown method"),
         ({"num_experts_per_tok": 9}, ValueError, "num_experts_per_tok \\(9\\) cannot exceed num_experts"),
         ({"cpuinfer_threads": 0}, ValueError, "cpuinfer_threads must be >= 1"),
