@@ -86,11 +86,12 @@ class DeferredExperts:
 
 
 def take_pending(
-    taker, own: DeferredExperts | None, layer_idx: int, tokens: int, on_stream: bool = False
+    taker, own: DeferredExperts | None, tokens: int, on_stream: bool = False
 ) -> torch.Tensor | DeferredExperts | None:
-    """What a call of layer ``layer_idx`` (the wrapper ``taker``, whose deferred experts are ``own``)
-    adds to its output: the deferred experts of this thread's last call, collected now if they are its
-    own, which this call is about to replace (on a stream: left for the caller to take)."""
+    """What a call of the wrapper ``taker`` (whose deferred experts are ``own``) adds to its output: the
+    deferred experts of this thread's last call, collected now if they are its own, which this call is
+    about to replace (on a stream: left for the caller to take)."""
+    layer_idx = taker.layer_idx
     with LOCK:
         experts = pending()
         if experts is None:

@@ -579,7 +579,7 @@ class KTMoEWrapper:
                 if 0 < tokens <= _SPARE_OUTPUT_MAX_TOKENS:
                     self._spare_out, self._spare_tokens = torch.empty_like(x), tokens
                 # Taken once this call is on its way, so a refused call leaves them for the next one.
-                self._adds = deferred.take_pending(self, own, self.layer_idx, tokens)
+                self._adds = deferred.take_pending(self, own, tokens)
                 if deferred_ids is not None:  # queued behind the call above: runs while the caller goes on
                     with deferred.LOCK:
                         own.out = torch.empty_like(x)  # held before the engines write it
@@ -631,7 +631,7 @@ class KTMoEWrapper:
                 self._layer, own and own.layer, self.num_experts, self.hidden_size,
                 self.num_experts_per_tok, self.layer_idx % 2,
             )  # fmt: skip
-        pending = deferred.take_pending(self, own, self.layer_idx, x.shape[0], on_stream=True)
+        pending = deferred.take_pending(self, own, x.shape[0], on_stream=True)
         adds = None if pending is None else pending.stream_call
         call = self._stream.submit(
             stream,
