@@ -52,6 +52,7 @@ KernelInfo kernel_info() {
   info.int8_path = int8.c_str();
   info.fp8_path = fp8.c_str();
   info.mxfp4_path = mxfp4.c_str();
+  info.gguf_path = avx512.int8_path;  // no tiles: the AVX512 kernel
 #ifdef KT_AMX_EMULATED
   info.emulated_tile_products = amx::EmulatedTiles::products;
 #endif

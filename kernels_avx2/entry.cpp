@@ -20,8 +20,9 @@ double peak_probe_here(PeakOp op, int64_t iterations) {
 Kernels choose() {
   if (avx_vnni())
     return {avx2::gemm_bf16, avx2::gemm_mxfp4_avx_vnni, avx2::gemm_int8_avx_vnni, avx2::gemm_int4_avx_vnni,
-            avx2::gemm_fp8, peak_probe_here};
-  return {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4, avx2::gemm_fp8, peak_probe_here};
+            avx2::gemm_fp8, avx2::gemm_gguf_avx_vnni, peak_probe_here};
+  return {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4, avx2::gemm_fp8, avx2::gemm_gguf,
+          peak_probe_here};
 }
 
 }  // namespace

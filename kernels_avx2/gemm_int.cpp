@@ -1,4 +1,4 @@
-// AVX2 INT8 / INT4 / MXFP4 GEMMs (the universal fallback): the integer tiles
+// AVX2 INT8 / INT4 / MXFP4 / GGUF GEMMs (the universal fallback): the integer tiles
 // (kernels_common/int_tiles.h) on ymm vectors, with the u8 x s8 dot product emulated by vpmaddwd on
 // int16 activations (INT8; INT4 and MXFP4 on a row and its residual) or vpmaddubsw on int8 rows
 // (MXFP4 with its E2M1 codes looked up as integers by vpshufb).
@@ -27,6 +27,10 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   gemm_four_bit_maddwd<Vec, Mxfp4Format<Vec>, kFourBitRows, 1, kFourBitTokens, 1>(x, w, y, y_stride);
+}
+
+void gemm_gguf(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_gguf_maddwd<Vec, kFourBitTokens, 1>(x, w, y, y_stride);
 }
 
 }  // namespace avx2

@@ -14,6 +14,7 @@ void gemm_bf16(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_int8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
+void gemm_gguf(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);    // gemm_bf16.cpp
 double peak_probe(PeakOp op, int64_t iterations);                                         // peak_probe.cpp
 // The integer formats on vpdpbusd (AVX-VNNI), in vpdpbusd_avx.cpp (-mavxvnni): called only after CPUID
@@ -21,6 +22,7 @@ double peak_probe(PeakOp op, int64_t iterations);                               
 void gemm_int8_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_gguf_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbusd_avx_peak_probe(int64_t iterations);  // integer ops done
 
 // FP8 codes -> bf16 (fp8_via_bf16.h): 16 codes, half a packed pair of a group (kernels.h).

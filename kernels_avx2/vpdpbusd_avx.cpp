@@ -47,6 +47,10 @@ void gemm_mxfp4_avx_vnni(const Activations& x, const PackedGroups& w, float* y, 
   gemm_four_bit<Mxfp4Format<Vec>>(x, w, y, y_stride);
 }
 
+void gemm_gguf_avx_vnni(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_four_bit<GgufFormat<Vec>>(x, w, y, y_stride);
+}
+
 double dpbusd_avx_peak_probe(int64_t iterations) {
   constexpr int kChains = 12;  // enough independent accumulators to hide the latency
   __m256i acc[kChains];

@@ -50,6 +50,7 @@ Paths choose() {
     p.kernels.mxfp4 = gemm_mxfp4_maddubs;
   p.kernels.int8 = p.vpdpbusd ? gemm_int8_vpdpbusd : gemm_int8_maddwd;
   p.kernels.int4 = p.vpdpbusd ? gemm_int4_vpdpbusd : gemm_int4_maddubs;
+  p.kernels.gguf = p.vpdpbusd ? gemm_gguf_vpdpbusd : gemm_gguf_maddwd;
   if (p.vdpbf16ps && !p.fma_for_rows)
     p.kernels.fp8 = p.vpermb ? gemm_fp8_vdpbf16ps_vbmi : gemm_fp8_vdpbf16ps;
   else

@@ -26,6 +26,7 @@ void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t
 void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 
 // All AVX512_BF16 code, in vdpbf16ps.cpp (the one file compiled with -mavx512bf16), and all
@@ -40,6 +41,7 @@ double dpbf16_peak_probe(int64_t iterations);  // flops done
 void gemm_int8_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
+void gemm_gguf_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 // MXFP4 codes looked up by vpermb, in mxfp4_vbmi.cpp (-mavx512vnni -mavx512vbmi).
 void gemm_mxfp4_vpdpbusd_vbmi(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double dpbusd_peak_probe(int64_t iterations);  // integer ops done

@@ -25,6 +25,10 @@ void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, 
   gemm_four_bit<Mxfp4Format<Vec>>(x, w, y, y_stride);
 }
 
+void gemm_gguf_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  gemm_four_bit<GgufFormat<Vec>>(x, w, y, y_stride);
+}
+
 double dpbusd_peak_probe(int64_t iterations) {
   constexpr int kChains = 12;  // enough independent accumulators to hide the latency
   __m512i acc[kChains];

@@ -155,9 +155,9 @@ inline void zero_residual_outputs(const Activations& x, const PackedGroups& w, f
     std::memset(y + size_t(i) * y_stride, 0, size_t(w.groups) * kGroupRows * sizeof(float));
 }
 
-// The sum of a quantized row's values over inputs [first, first + count), both multiples of 32.
+// The sum of a quantized row's values over inputs [first, first + count), both multiples of 16.
 inline int32_t quantized_sum(const QuantizedRow& row, int first, int count) {
-  return row.running_sums[(first + count) / kActivationBlock] - row.running_sums[first / kActivationBlock];
+  return row.running_sums[(first + count) / kSumBlock] - row.running_sums[first / kSumBlock];
 }
 
 // The two bf16 activations x[2p], x[2p+1] as one 32-bit lane (low half = even input).

@@ -38,10 +38,13 @@ struct SumsInPlace {
 // low_values(bytes, low_nibbles) (the u8 values + kOffset of the bytes' low nibbles), kValueScale
 // (what one unit of those values is worth), inputs_per_scale(w), scale(group_scales, s, first_row)
 // (the kLanes rows' scales of group s).
+// kByteValues: values of a byte each (GGUF), an octet in two INT8-layout lines instead of one
+// line's nibbles; kMins: a min per scale group, added times the activations' sum (GGUF).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset, kMaxValue = 15;
   static constexpr float kValueScale = 1.0f;
+  static constexpr bool kByteValues = false, kMins = false;
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
     return V::and_(bytes, low_nibbles);
   }
@@ -59,6 +62,7 @@ template <class V>
 struct Mxfp4Format {
   static constexpr int kOffset = 12, kMaxValue = 24;
   static constexpr float kValueScale = 0.5f;
+  static constexpr bool kByteValues = false, kMins = false;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
@@ -67,6 +71,24 @@ struct Mxfp4Format {
   static int inputs_per_scale(const PackedGroups&) { return kMxfp4Block; }
   static typename V::Float scale(const uint8_t* group_scales, int block, int first_row) {
     return V::e8m0_to_float(group_scales + block * kGroupRows + first_row);
+  }
+};
+
+// GGUF: int8 values stored as q + 128 in the INT8 layout (a line is a quad, two lines an octet), a
+// scale and a min per G = 16 or 32 inputs (kernels.h). Never on vpmaddubsw: byte weights would
+// saturate its int16 sums.
+template <class V>
+struct GgufFormat {
+  static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
+  static constexpr float kValueScale = 1.0f;
+  static constexpr bool kByteValues = true, kMins = true;
+  static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
+  static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
+    return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGgufPairFloats + first_row);
+  }
+  // -min / 128, which times the group's start (-128 * sum(x)) is min * sum(x).
+  static typename V::Float min(const uint8_t* group_scales, int s, int first_row) {
+    return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGgufPairFloats + kGroupRows + first_row);
   }
 };
 
@@ -139,7 +161,7 @@ struct WidenedTokens {
 
 inline WidenedTokens widen_tokens(const Activations& x, int k) {
   const int parts = x.quantized.parts, tokens = x.rows / parts;
-  const size_t row_elems = round_up(k, 4), sums = round_up(k, kActivationBlock) / kActivationBlock + 1;
+  const size_t row_elems = round_up(k, 4), sums = round_up(k, kActivationBlock) / kSumBlock + 1;
   int16_t* values = reinterpret_cast<int16_t*>(x.scratch);
   int32_t* running_sums = reinterpret_cast<int32_t*>(values + tokens * row_elems);  // fits kernel_scratch_bytes
   constexpr int kQuadOrder[4] = {0, 2, 1, 3};
@@ -161,10 +183,11 @@ inline WidenedTokens widen_tokens(const Activations& x, int k) {
 }
 
 // Whether a row's and its residual's sums of a scale group, added as 256 * row + residual, fit in
-// int32: at most 15 x 127 per input (INT4 with zero points), 4,096 inputs per scale.
+// int32: at most 15 x 127 per input (INT4 with zero points), 4,096 inputs per scale; GGUF's byte
+// values (255 x 127 per input) take at most 32.
 template <class FourBit>
 bool pairs_fit(const PackedGroups& w) {
-  return FourBit::inputs_per_scale(w) <= 4096;
+  return FourBit::inputs_per_scale(w) <= (FourBit::kByteValues ? 32 : 4096);
 }
 
 // Every loop over a tile's rows is unrolled (KT_UNROLL): where GCC 12 kept one rolled, it held the
@@ -193,6 +216,9 @@ struct IntTiles {
   }
   static Float four_bit_scale(const PackedGroups& w, int v, int s) {
     return FourBit::scale(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
+  }
+  static Float four_bit_min(const PackedGroups& w, int v, int s) {
+    return FourBit::min(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
   }
 
   // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)), the sum taken in int32
@@ -304,10 +330,17 @@ struct IntTiles {
               const int j = c + l;
               typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8j..8j+3 and 8j+4..8j+7
               for (int v = 0; v < kVecs; ++v) {
-                prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
-                const Int raw = V::load(line(w, v, j));
-                low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
-                high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
+                if constexpr (FourBit::kByteValues) {
+                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j));
+                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j + 1));
+                  low[v] = Dot::weights(V::load(line(w, v, 2 * j)));
+                  high[v] = Dot::weights(V::load(line(w, v, 2 * j + 1)));
+                } else {
+                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
+                  const Int raw = V::load(line(w, v, j));
+                  low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
+                  high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
+                }
               }
               KT_UNROLL
               for (int i = 0; i < M; ++i)
@@ -329,6 +362,9 @@ struct IntTiles {
               Int sum = part[i][0][v];
               if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);
               acc[i][v] = V::fmadd(V::to_float(sum), four_bit_scale(w, v, s), acc[i][v]);
+              // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32.
+              if constexpr (FourBit::kMins)
+                acc[i][v] = V::fmadd(V::set1_ps(float(x[i].group_starts[s])), four_bit_min(w, v, s), acc[i][v]);
             }
         }
         KT_UNROLL
@@ -369,7 +405,7 @@ struct IntTiles {
   // outputs, each computing every token's starts again (scalar, they cost an MXFP4 prefill 4 %).
   template <int P>
   static void group_starts(const QuantizedParts<P>& token, const PackedGroups& w, int32_t* __restrict starts) {
-    const int blocks = FourBit::inputs_per_scale(w) / kActivationBlock, groups = w.k / FourBit::inputs_per_scale(w);
+    const int blocks = FourBit::inputs_per_scale(w) / kSumBlock, groups = w.k / FourBit::inputs_per_scale(w);
     const int32_t factor = w.zeros != nullptr ? -1 : -FourBit::kOffset;
     const int32_t* __restrict row = token.part[0].running_sums;
     const int32_t* __restrict residual = token.part[P - 1].running_sums;
@@ -432,6 +468,19 @@ void gemm_four_bit_maddwd(const Activations& x, const PackedGroups& w, float* y,
   } else {
     IntTiles<V, MaddubsDot<V>, FourBit>::template gemm_four_bit<MaxRows, NV, MaxRows / 2, NV>(x, w, y, y_stride);
   }
+}
+
+// GGUF without vpdpbusd: tokens widened to int16 (MaddwdDot) always, one row and its residual as one
+// token or (int8_activations) a row alone: vpmaddubsw would saturate on byte weights. Tiles of
+// MaxTokens x NV groups.
+template <class V, int MaxTokens, int NV>
+void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  using Tiles = IntTiles<V, MaddwdDot<V>, GgufFormat<V>>;
+  const WidenedTokens tokens = widen_tokens(x, w.k);
+  int32_t* starts = tokens.running_sums + tokens.count * tokens.sums;
+  Tiles::template gemm_tokens<Tiles::template FourBitTile, MaxTokens, NV, 1>(
+      [&](int t) { return QuantizedParts<1>{{tokens(t)}}; }, tokens.count, w, y, x.quantized.parts * y_stride, starts);
+  zero_residual_outputs(x, w, y, y_stride);
 }
 
 KT_NAMESPACE_END

@@ -165,7 +165,7 @@ def test_converted_forward_matches_source_weights(tmp_path, models, naming, dtyp
             assert_close_to_reference(out, exact)
         else:
             rel = ((out.double() - exact).norm() / exact.norm()).item()
-            assert rel < {"INT8": 0.05, "INT4": 0.25, "MXFP4": 0.3, "FP8": 0.1}[fmt], rel
+            assert rel < {"INT8": 0.05, "INT4": 0.25, "MXFP4": 0.3, "FP8": 0.1, "GGUF": 0.05}[fmt], rel
 
 
 @pytest.mark.parametrize("fmt", ["BF16", "MXFP4", "INT8", "INT4"])
@@ -299,7 +299,8 @@ def test_cli_layers_subset_resume_and_format_clash(tmp_path, models, capsys):
     assert main(["convert", str(source), str(out), "--format", "mxfp4", "--resume"]) == 1
     assert "already holds BF16 weights" in capsys.readouterr().err
     assert main(["convert", str(source), str(tmp_path / "o1"), "--format", "int8", "--group-size", "64"]) == 1
-    assert "--group-size applies to int4 and fp8 only" in capsys.readouterr().err
+    choosing = " and ".join(formats.GROUP_CHOICE).lower()
+    assert f"--group-size applies to {choosing} only" in capsys.readouterr().err
     assert main(["convert", str(source), str(tmp_path / "o2"), "--format", "int4", "--group-size", "64"]) == 1
     assert "group size 64 does not divide" in capsys.readouterr().err
     assert main(["convert", str(source), str(tmp_path / "o3"), "--format", "bf16", "--layers", "0-1"]) == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 from mxfp4_reference import decode_mxfp4
 
-from kt_kernel import quant
+from kt_kernel import formats, quant
 
 
 def test_round_trip_error_bound_on_random_weights():
@@ -73,7 +73,7 @@ def test_bad_arguments():
         quant.quantize("AMXINT4", torch.randn(4, 96), group_size=48)
     with pytest.raises(ValueError, match="multiple of group_size 64"):
         quant.quantize("INT4", torch.randn(4, 96), group_size=64)
-    with pytest.raises(ValueError, match="INT4 and FP8 only"):
+    with pytest.raises(ValueError, match=f"{' and '.join(formats.GROUP_CHOICE)} only"):
         quant.quantize("INT8", torch.randn(4, 32), group_size=32)
     assert quant.quantize("bf16", torch.randn(2, 3))[0].dtype == torch.bfloat16
 

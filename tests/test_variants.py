@@ -22,6 +22,7 @@ SUITES = [
     "tests/test_biases.py",
     "tests/test_mxfp8.py",
     "tests/test_nvfp4.py",
+    "tests/test_gguf_kernels.py",
 ]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
@@ -46,7 +47,12 @@ RUNS = {
 RUN_SUITES = {
     "avx512-bf16-no-vbmi": ["tests/test_fp8_kernels.py", "tests/test_mxfp4_kernels.py"],
     "avx512-fma-vbmi": ["tests/test_fp8_kernels.py"],
-    "avx2-plain": ["tests/test_int_kernels.py", "tests/test_mxfp4_kernels.py", "tests/test_accuracy.py"],
+    "avx2-plain": [
+        "tests/test_int_kernels.py",
+        "tests/test_mxfp4_kernels.py",
+        "tests/test_accuracy.py",
+        "tests/test_gguf_kernels.py",
+    ],
 }
 
 

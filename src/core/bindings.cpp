@@ -136,7 +136,8 @@ NB_MODULE(KT_MODULE_NAME, m) {
     for (const kt::FormatTraits* format : kt::all_formats()) {
       std::string key = format->name;
       for (char& c : key) c = char(std::tolower(static_cast<unsigned char>(c)));
-      d[(key + "_path").c_str()] = info.*(format->path);
+      const char* path = info.*(format->path);
+      d[(key + "_path").c_str()] = path != nullptr ? path : info.int8_path;
     }
     if (info.emulated_tile_products >= 0) d["emulated_tile_products"] = info.emulated_tile_products;
     return d;
@@ -155,6 +156,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
     f["max_k"] = format->max_k;
     f["quantized_activations"] = format->quantized_activations();
     f["zero_points"] = format->has_zero_points();
+    f["scales_per_group"] = format->scales_per_group;
     formats[format->name] = f;
   }
   m.attr("FORMATS") = formats;

@@ -5,7 +5,7 @@
 
 KT_NAMESPACE_BEGIN
 
-extern const FormatTraits kBf16Format, kMxfp4Format, kInt8Format, kInt4Format, kFp8Format;
+extern const FormatTraits kBf16Format, kMxfp4Format, kInt8Format, kInt4Format, kFp8Format, kGgufFormat;
 
 const std::vector<const FormatTraits*>& all_formats() {
   static const std::vector<const FormatTraits*> formats = {
@@ -14,6 +14,7 @@ const std::vector<const FormatTraits*>& all_formats() {
       &kInt8Format,
       &kInt4Format,
       &kFp8Format,
+      &kGgufFormat,
   };
   return formats;
 }

@@ -33,7 +33,7 @@ struct UnpackRegion {
 
 // A format's canonical (unpacked) layout of one matrix W[rows][k]: values [rows][k * value_bits / 8]
 // bytes (4-bit formats: the LOW nibble holds the even input), and scales [rows][scales per row] of
-// scale_type: one per row when the scale group is 0, else one per `scale group` inputs.
+// scale_type: one per row when the scale group is 0, else scales_per_group per `scale group` inputs.
 constexpr int kEndOfList = -1;
 
 struct FormatTraits {
@@ -58,6 +58,8 @@ struct FormatTraits {
   // Formats with zero points (INT4): canonical int8 offsets [rows][k / scale_group] -> packed
   // groups (kernels.h), group_scale_bytes(k, scale_group) bytes per group; null for the others.
   void (*pack_zeros)(const int8_t* zeros, int rows, int k, int scale_group, uint8_t* packed_zeros) = nullptr;
+  // Canonical values per scale group: 2 where each group has a scale and a min (GGUF).
+  int scales_per_group = 1;
 
   bool has_scales() const { return scale_type != ScaleType::kNone; }
   bool has_zero_points() const { return pack_zeros != nullptr; }
@@ -65,7 +67,7 @@ struct FormatTraits {
   size_t scale_bytes() const { return scale_type == ScaleType::kFloat32 ? 4 : scale_type == ScaleType::kE8M0 ? 1 : 0; }
   size_t row_bytes(int k) const { return size_t(k) * value_bits / 8; }
   int scales_per_row(int k, int scale_group) const {
-    return !has_scales() ? 0 : scale_group == 0 ? 1 : k / scale_group;
+    return !has_scales() ? 0 : scale_group == 0 ? 1 : scales_per_group * (k / scale_group);
   }
   std::vector<int> allowed_scale_groups() const {
     std::vector<int> groups;

@@ -27,9 +27,9 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 // Activation rows quantized for the kernels that multiply in integers (all but BF16), one scale
 // per row:
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
-// running_sums[b] = sum of values[0 .. 32b), b = 0 .. stride / 32 (the kernels subtract their weight
+// running_sums[b] = sum of values[0 .. 16b), b = 0 .. stride / 16 (the kernels subtract their weight
 // offset times a scale group's sum: one subtraction, where a sum of its blocks was a loop per row
-// and group). Even 256 x a row's + its residual's fits int32: 257 x 127 x kInt8MaxK < 2^31.
+// and group; 16: the smallest scale group, GGUF's K-quants). Even 256 x a row's + its residual's fits int32: 257 x 127 x kInt8MaxK < 2^31.
 // By default each activation row is held by TWO such rows (parts): the row, and what it leaves
 // (x - scale * values, at most half a step) at 1/256 of its scale. The GEMMs multiply both like
 // any two rows (the 4-bit tiles add their integer sums as 256 * row + residual; without vpdpbusd
@@ -37,8 +37,9 @@ inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 // outputs: x is then held to about 1/65000 of its largest magnitude, so a few outlier channels no
 // longer round the rest of the row away.
 constexpr int kActivationBlock = 32;
+constexpr int kSumBlock = 16;
 constexpr float kResidualSteps = 256.0f;
-inline size_t running_sums_per_row(size_t stride) { return stride / kActivationBlock + 1; }
+inline size_t running_sums_per_row(size_t stride) { return stride / kSumBlock + 1; }
 struct QuantizedRows {
   const int8_t* values = nullptr;  // [row][stride]
   const float* scales = nullptr;   // [row]
@@ -107,7 +108,7 @@ struct PackedGroups {
   size_t group_scale_bytes;  // stride between groups in `scales`
   int k;                     // inputs per row
   int groups;
-  int scale_group = 0;       // inputs per scale (INT4: 32, 64 or 128; MXFP4: 32; 0: per row)
+  int scale_group = 0;       // inputs per scale (INT4: 32, 64 or 128; MXFP4: 32; GGUF: 16 or 32; 0: per row)
   // INT4 with zero points: the first group's (null: every zero point is kInt4Offset) and the
   // stride between groups.
   const uint8_t* zeros = nullptr;
@@ -160,6 +161,14 @@ constexpr int kMxfp4ChunkBytes = 64;
 // per group, per G inputs, 16 int32, which the kernels subtract times the activations' sums
 // instead of 8.
 constexpr int kInt8Offset = 128, kInt4Offset = 8;
+
+// ---- GGUF (llama.cpp's integer block types, held as int8 values with a scale and a min per group)
+// Every weight is q * scale + min, q an int8, scale and min fp32 per G = 16 or 32 inputs of a row
+// (kt_kernel/gguf_blocks.py turns each ggml type into that exactly). Values: the INT8 layout above
+// (q + 128). Scales: per group, per scale group s, 16 scales, then the 16 rows' mins as
+// -min / 128: the kernels start a scale group's integer sum at -128 * sum(x) (the offset), so that
+// start times -min / 128 is min * sum(x), one fp32 FMA.
+constexpr int kGgufPairFloats = 2 * kGroupRows;
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
 // ---- FP8 (E4M3, OCP "fn"): bf16 activations, weights decoded to bf16 in the kernel --------
@@ -202,7 +211,7 @@ using PeakFn = double (*)(PeakOp op, int64_t iterations);
 // The build's GEMM per format and its peak probes, chosen once by init_kernels() (entry.cpp of each
 // kernels directory; the amx build's table is the avx512 one with tiles put in).
 struct Kernels {
-  GemmFn bf16, mxfp4, int8, int4, fp8;
+  GemmFn bf16, mxfp4, int8, int4, fp8, gguf;
   PeakFn peak;
 };
 const Kernels& kernels();
@@ -219,6 +228,7 @@ struct KernelInfo {
   const char* mxfp4_path;  // how MXFP4 weights are multiplied
   const char* int8_path;   // how the INT8 and INT4 kernels multiply
   const char* fp8_path;    // how FP8 codes are decoded and multiplied
+  const char* gguf_path = nullptr;   // how GGUF's int8 values are multiplied (null: as INT8's)
   long emulated_tile_products = -1;  // the test-only emulated AMX build: tile products run so far
 };
 KernelInfo kernel_info();

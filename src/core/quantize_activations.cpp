@@ -21,9 +21,9 @@ namespace {
 
 void sum_running(const int8_t* values, int stride, int32_t* running_sums) {
   running_sums[0] = 0;
-  for (int b = 0; b < stride / kActivationBlock; ++b) {
+  for (int b = 0; b < stride / kSumBlock; ++b) {
     int32_t sum = 0;
-    for (int c = 0; c < kActivationBlock; ++c) sum += values[b * kActivationBlock + c];
+    for (int c = 0; c < kSumBlock; ++c) sum += values[b * kSumBlock + c];
     running_sums[b + 1] = running_sums[b] + sum;
   }
 }

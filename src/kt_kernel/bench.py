@@ -149,7 +149,8 @@ def weight_bytes(fmt: str) -> float:
     """Bytes per weight, scales included: group scales at the largest group (the one quantize-on-load
     picks for every shape here), a scale per row counted as negligible."""
     f = formats.get(fmt)
-    return f.value_bits / 8 + (f.scale_bytes / max(f.scale_groups) if f.group_scales else 0)
+    scale_bytes = f.scales_per_group * f.scale_bytes
+    return f.value_bits / 8 + (scale_bytes / max(f.scale_groups) if f.group_scales else 0)
 
 
 def time_calls(call, inputs, budget_s: float, min_calls: int, max_calls: int, warmup: int) -> list[float]:

@@ -26,6 +26,11 @@ the LOW nibble holds the even k; scales ``[..., N, K/G]`` float32, G = K / scale
 Optionally zero points (asymmetric checkpoints such as GPTQ's): ``[..., N, K/G]`` int8 in -8..8,
 shaped like the scales; then w = (q - z[k // G]) * s[k // G].
 
+GGUF: values ``[..., N, K]`` int8 and scales ``[..., N, 2K/G]`` float32, G in {16, 32}: per group
+of G inputs a (scale, min) pair, interleaved; w = q * s[k // G] + m[k // G]. kt_kernel.gguf_blocks
+turns each of llama.cpp's integer block types into it exactly. ``quantize`` uses -127..127 and
+min 0 (G = 32).
+
 BF16 is the weight itself in bfloat16 (no scales).
 
 A new format is a WeightFormat subclass with its ``_encode`` and ``_decode`` (and, with scales,
@@ -132,6 +137,7 @@ class WeightFormat:
     max_k: int = field(init=False)
     quantized_activations: bool = field(init=False)
     zero_points: bool = field(init=False)
+    scales_per_group: int = field(init=False)  # 2: each group has a scale and a min (GGUF)
 
     def __post_init__(self) -> None:
         native = ext.FORMATS[self.name]
@@ -261,9 +267,8 @@ class WeightFormat:
         if self.scale_groups == (0,):
             require_shape(scale_name, scale, tuple(values.shape[:2]), "[E, N]")
         else:
-            require_shape(
-                scale_name, scale, *shape_of(self._given_group(scale_name, scale, self.inputs(values)))
-            )
+            group = self._given_group(scale_name, scale, self.inputs(values))
+            require_shape(scale_name, scale, *shape_of(group // self.scales_per_group))
         scale = self._checked_scales(scale_name, scale, first_expert)
         return values.contiguous(), self._per_row(values, scale)
 
@@ -281,12 +286,14 @@ class WeightFormat:
         """The inputs per scale that given group scales imply, where the format allows several."""
         if not self.group_choice:
             return self.scale_groups[0]
-        if scale.dim() != 3 or scale.shape[2] == 0 or k % scale.shape[2]:
+        per_group = self.scales_per_group
+        if scale.dim() != 3 or scale.shape[2] == 0 or (per_group * k) % scale.shape[2]:
+            what = "K/G" if per_group == 1 else f"{per_group}K/G"
             raise ValueError(
-                f"{scale_name} must have shape [E, N, K/G] with G in {self.scale_groups}, "
+                f"{scale_name} must have shape [E, N, {what}] with G in {self.scale_groups}, "
                 f"got {list(scale.shape)} for K = {k}"
             )
-        group = k // scale.shape[2]
+        group = per_group * k // scale.shape[2]
         if group not in self.scale_groups:
             raise ValueError(
                 f"{scale_name} implies group size {group}; {self.name} takes {self.scale_groups}"
@@ -310,7 +317,7 @@ class WeightFormat:
         (or no scales), else its group size."""
         if scale is None or (0 in self.scale_groups and scale.shape[-1] == 1):
             return 0
-        return self.inputs(values) // scale.shape[-1]
+        return self.scales_per_group * self.inputs(values) // scale.shape[-1]
 
     def slice_inputs(
         self,
@@ -325,7 +332,8 @@ class WeightFormat:
         stays whole."""
         group = self.scale_group(values, scale)
         if group:
-            scale = scale[..., start // group : stop // group].contiguous()
+            per_group = self.scales_per_group
+            scale = scale[..., per_group * start // group : per_group * stop // group].contiguous()
             if zeros is not None:
                 zeros = zeros[..., start // group : stop // group].contiguous()
         per_element = self._inputs_per_element(values)
@@ -337,7 +345,7 @@ class WeightFormat:
 
     def canonical_scale_bytes(self, inputs: int, group: int) -> int:
         """Bytes of the canonical scales of ``inputs`` values of one row (group 0: the row's scale)."""
-        return self.scale_bytes if group == 0 else inputs // group * self.scale_bytes
+        return self.scale_bytes if group == 0 else self.scales_per_group * inputs // group * self.scale_bytes
 
     def random_values(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """Random canonical value bytes (uint8) that the format accepts: for benchmarks."""
@@ -437,6 +445,25 @@ class _Int4(_FloatScaled):
             raise ValueError(f"{self.name} scales {list(scales.shape)} do not divide the input dimension {k}")
         group = k // scales.shape[-1]
         return (q.float().reshape(*scales.shape, group) * scales.float()[..., None]).reshape(q.shape)
+
+
+class _Gguf(_FloatScaled):
+    """llama.cpp's integer block types as kt_kernel.gguf_blocks holds them: int8 values and, per G
+    inputs of a row, a (scale, min) pair of float32, interleaved: w = q * scale + min."""
+
+    def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
+        scale = groups.abs().amax(dim=-1) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8).reshape(weight.shape)
+        pairs = torch.stack([scale, torch.zeros_like(scale)], dim=-1)
+        return q.contiguous(), pairs.reshape(*scale.shape[:-1], -1).contiguous()
+
+    def _decode(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        pairs = scales.float().reshape(*scales.shape[:-1], -1, 2)
+        group = values.shape[-1] // pairs.shape[-2]
+        blocks = values.float().reshape(*pairs.shape[:-1], group)
+        return (blocks * pairs[..., :1] + pairs[..., 1:]).reshape(values.shape)
 
 
 class _Fp8(_FloatScaled):
@@ -556,8 +583,17 @@ FP8 = _Fp8(
     source_dtypes=("F8_E4M3", "NVFP4"),  # NVFP4: U8 E2M1 pairs with E4M3 and fp32 scales (sources.py)
 )
 
+GGUF = _Gguf(
+    "GGUF",
+    aliases=("LLAMAFILE",),
+    value_dtypes=(torch.int8,),
+    values_text="GGUF values as int8",
+    scale_dtypes=(torch.float32,),
+    scales_text="float32 (scale, min) pairs",
+)
+
 #: Every format by name, in the order command-line choices list them.
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16, MXFP4, INT8, INT4, FP8)}
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (BF16, MXFP4, INT8, INT4, FP8, GGUF)}
 #: The formats that offer a choice of group size.
 GROUP_CHOICE = tuple(name for name, f in FORMATS.items() if f.group_choice)
 #: Method names accepted (upper case), upstream aliases included, and the format each means.

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "formats.h"
+#include "int8_rows.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -21,7 +22,7 @@ void pack(const uint8_t* values, const uint8_t* scale_bytes, int rows, int k, in
       const size_t row = size_t(g) * kGroupRows + r;
       group_scales[r] = row < size_t(rows) ? scales[row] : 0.0f;
       if (row >= size_t(rows)) continue;
-      for (int c = 0; c < k; ++c) group[(c / 4) * 64 + 4 * r + c % 4] = uint8_t(q[row * k + c] + kInt8Offset);
+      pack_int8_row(q + row * k, k, r, group);
     }
   }
 }
@@ -31,11 +32,7 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
     const int row = region.row0 + i, r = row % kGroupRows;
     const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
     const uint8_t* group_scales = w.scales + size_t(row / kGroupRows) * w.group_scale_bytes;
-    uint8_t* dst = region.values + i * region.values_stride;
-    for (int c = 0; c < region.cols; ++c) {
-      const int k = region.k0 + c;
-      dst[c] = uint8_t(group[(k / 4) * 64 + 4 * r + k % 4] - kInt8Offset);  // stored as q + 128
-    }
+    unpack_int8_row(group, r, region.k0, region.cols, region.values + i * region.values_stride);
     std::memcpy(region.scales + i * region.scales_stride, group_scales + r * sizeof(float), sizeof(float));
   }
 }

@@ -1,0 +1,20 @@
+// Rows of int8 values in the INT8 layout (kernels.h), stored as q + 128: INT8's and GGUF's values.
+#pragma once
+
+#include "kernels.h"
+
+KT_NAMESPACE_BEGIN
+
+// Where input c of row r lies in its 16-row group.
+inline size_t int8_position(int c, int r) { return size_t(c / 4) * 64 + 4 * r + c % 4; }
+
+inline void pack_int8_row(const int8_t* q, int k, int r, uint8_t* group) {
+  for (int c = 0; c < k; ++c) group[int8_position(c, r)] = uint8_t(q[c] + kInt8Offset);
+}
+
+// Inputs [k0, k0 + cols) of row r of a group, as canonical int8 bytes.
+inline void unpack_int8_row(const uint8_t* group, int r, int k0, int cols, uint8_t* dst) {
+  for (int c = 0; c < cols; ++c) dst[c] = uint8_t(group[int8_position(k0 + c, r)] - kInt8Offset);
+}
+
+KT_NAMESPACE_END
