@@ -10,9 +10,12 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from kt_kernel import checkpoint, formats  # noqa: E402
 from kt_kernel.gguf_blocks import BLOCK_TYPES, convert_rows  # noqa: E402
 from kt_kernel.gguf_file import GGUFLayerReader, gguf_files, is_gguf_checkpoint  # noqa: E402
 from kt_kernel.safetensors_io import CheckpointError  # noqa: E402
+
+from moe_reference import make_problem, moe_wrapper  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 ARCH = "qwen3moe"
@@ -25,8 +28,10 @@ FP16_FIELDS = {
 #: Where gguf-py's fp32 arithmetic is exact (integer times fp16 d times small integers, no sum),
 #: the conversion must reproduce it bit for bit; the others add a min, which rounds once.
 EXACT_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4")
+#: The supported types this gguf package knows (0.17 predates MXFP4 and NVFP4).
+KNOWN_TYPES = [name for name in BLOCK_TYPES if name in T.__members__]
 #: The types gguf-py can quantize to: their blocks come from real weights as well.
-QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
+QUANTIZABLE = [name for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4") if name in KNOWN_TYPES]
 
 
 def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -67,12 +72,13 @@ def assert_matches_gguf(type_name: str, raw: np.ndarray) -> None:
 
 
 def test_block_sizes_are_ggmls():
-    for name, block in BLOCK_TYPES.items():
+    for name in KNOWN_TYPES:
+        block = BLOCK_TYPES[name]
         assert gguf.GGML_QUANT_SIZES[T[name]] == (block.block_inputs, block.block_bytes), name
         assert block.group in (16, 32) and block.block_inputs % block.group == 0
 
 
-@pytest.mark.parametrize("type_name", list(BLOCK_TYPES))
+@pytest.mark.parametrize("type_name", KNOWN_TYPES)
 def test_every_type_matches_gguf_dequantize(type_name):
     rng = np.random.default_rng(list(BLOCK_TYPES).index(type_name))
     assert_matches_gguf(type_name, random_blocks(type_name, 6, 512, rng).reshape(2, 3, -1))
@@ -334,8 +340,8 @@ def test_corrupt_scale_and_unknown_companion_tensor(tmp_path):
     for name in ("gate", "up", "down"):
         writer.add_tensor(
             f"blk.0.ffn_{name}_exps.weight",
-            random_blocks("NVFP4", 4 * 256, 256, np.random.default_rng()).reshape(4, 256, -1),
-            raw_dtype=T.NVFP4,
+            random_blocks("Q8_0", 4 * 256, 256, np.random.default_rng()).reshape(4, 256, -1),
+            raw_dtype=T.Q8_0,
         )
     writer.add_tensor("blk.0.ffn_gate_exps.scale", np.ones(4, np.float32))
     writer.write_header_to_file()
@@ -352,3 +358,62 @@ def test_directory_of_several_models_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"found 2 models \(a.gguf, b.gguf\)"):
         GGUFLayerReader(tmp_path, 0, "GGUF")
     assert not is_gguf_checkpoint(tmp_path / "missing")
+
+
+def write_problem(path, p, type_name):
+    """The problem's float experts as layer 0 of a GGUF file: bf16 as they are, or quantized."""
+    writer = gguf.GGUFWriter(path, ARCH)
+    writer.add_expert_count(p.gate.shape[0])
+    writer.add_embedding_length(p.gate.shape[2])
+    writer.add_expert_feed_forward_length(p.gate.shape[1])
+    for name in ("gate", "up", "down"):
+        weight = getattr(p, name).numpy()
+        writer.add_tensor(
+            f"blk.0.ffn_{name}_exps.weight",
+            gguf.quants.quantize(weight, T[type_name]),
+            raw_dtype=T[type_name],
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_load_weights_reads_a_bf16_gguf_file(tmp_path):
+    p = make_problem(6, 2, 64, 96, tokens=9, seed=5)
+    write_problem(tmp_path / "model.gguf", p, "BF16")
+    moe = moe_wrapper(6, 2, 64, 96, weight_path=str(tmp_path / "model.gguf"))
+    moe.load_weights()
+    reference = moe_wrapper(6, 2, 64, 96)
+    reference.load_weights_from_tensors(p.gate.bfloat16(), p.up.bfloat16(), p.down.bfloat16())
+    assert torch.equal(moe.forward(p.hidden, p.ids, p.weights), reference.forward(p.hidden, p.ids, p.weights))
+    # a directory holding the file is the same model; the caller's sizes are checked before any read
+    assert torch.equal(checkpoint.read_layer(tmp_path, 0, range(2, 4), "BF16")["up"], p.up[2:4].bfloat16())
+    with pytest.raises(
+        CheckpointError, match="'blk.0.ffn_gate_exps.weight' has shape .* intermediate size 128"
+    ):
+        checkpoint.LayerReader(tmp_path, 0, "BF16", (64, 128))
+    with pytest.raises(CheckpointError, match="read it with method='GGUF'"):
+        write_problem(tmp_path / "model.gguf", p, "Q8_0")
+        checkpoint.LayerReader(tmp_path, 0, "BF16")
+
+
+def test_load_weights_reads_a_quantized_gguf_file(tmp_path):
+    """Once the engine lists the GGUF format: load_weights() is load_weights_from_tensors of what the
+    reader returns."""
+    if "GGUF" not in formats.METHODS or "LLAMAFILE" not in formats.METHODS:
+        pytest.skip("the engine has no GGUF format yet")
+    p = make_problem(6, 2, 64, 96, tokens=9, seed=6)
+    write_problem(tmp_path / "model.gguf", p, "Q8_0")
+    tensors = GGUFLayerReader(tmp_path / "model.gguf", 0, "GGUF").read(6)
+    for method in ("GGUF", "LLAMAFILE"):
+        moe = moe_wrapper(6, 2, 64, 96, weight_path=str(tmp_path / "model.gguf"), method=method)
+        moe.load_weights()
+        reference = moe_wrapper(6, 2, 64, 96, method=method)
+        reference.load_weights_from_tensors(
+            tensors["gate"], tensors["up"], tensors["down"],
+            gate_scale=tensors["gate_scale"], up_scale=tensors["up_scale"], down_scale=tensors["down_scale"],
+        )  # fmt: skip
+        assert torch.equal(
+            moe.forward(p.hidden, p.ids, p.weights), reference.forward(p.hidden, p.ids, p.weights)
+        )
