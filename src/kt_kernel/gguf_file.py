@@ -90,7 +90,7 @@ def gguf_files(path: str | Path) -> tuple[Path, ...]:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_reader(file: str, size: int, mtime_ns: int) -> Any:
+def _cached_reader(file: str, inode: int, size: int, mtime_ns: int) -> Any:
     """One GGUFReader per file version: parsing a header (a tokenizer's ~150k strings) takes a
     while, and LayerReader opens the model once per layer."""
     return _gguf().GGUFReader(file, "r")
@@ -108,7 +108,7 @@ def open_gguf(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a regular file")
     _gguf()  # an ImportError, not a corrupt file, when the package is missing
     try:
-        reader = _cached_reader(str(file), status.st_size, status.st_mtime_ns)
+        reader = _cached_reader(str(file), status.st_ino, status.st_size, status.st_mtime_ns)
     except Exception as error:
         raise CheckpointError(f"{file}: not a valid GGUF file ({type(error).__name__}: {error})") from error
     if reader.byte_order != "I":
@@ -138,13 +138,18 @@ class GGUFModelInfo:
     @classmethod
     def of(cls, reader: Any) -> GGUFModelInfo:
         arch = _scalar_field(reader, "general.architecture")
-        sizes = {
-            key: _scalar_field(reader, f"{arch}.{key}") if isinstance(arch, str) else None
-            for key in ("expert_count", "expert_used_count", "embedding_length", "expert_feed_forward_length")
-        }
+        arch = arch if isinstance(arch, str) else None
+
+        def size(key: str) -> int | None:
+            value = _scalar_field(reader, f"{arch}.{key}") if arch else None
+            return value if isinstance(value, int) else None
+
         return cls(
-            arch if isinstance(arch, str) else None,
-            **{k: v if isinstance(v, int) else None for k, v in sizes.items()},
+            arch,
+            size("expert_count"),
+            size("expert_used_count"),
+            size("embedding_length"),
+            size("expert_feed_forward_length"),
         )
 
 
