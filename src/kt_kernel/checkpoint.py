@@ -16,8 +16,10 @@ one tensor; blocks U8 ``[E, N, K/32, 16]`` (two E2M1 codes per byte, the low nib
 U8 ``[E, N, K/32]`` (E8M0), bias ``[E, N]`` (float); gate and up interleaved along N (gate the even
 rows, up the odd ones), as gpt-oss's ``gate_up[..., ::2]`` and ``[..., 1::2]``.
 
-read_layer and LayerReader take any of these, or a Hugging Face model directory as it ships
-(kt_kernel.sources). Files are read through kt_kernel.safetensors_io.
+read_layer and LayerReader take any of these, a Hugging Face model directory as it ships
+(kt_kernel.sources), or a GGUF model: a ``.gguf`` file, a split set, or a directory of .gguf files
+(kt_kernel.gguf_file; method GGUF for its quantized experts, BF16 for float ones). Safetensors files
+are read through kt_kernel.safetensors_io.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from . import formats
+from .gguf_file import GGUFLayerReader, is_gguf_checkpoint
 from .safetensors_io import (
     CheckpointError,
     TensorReader,
@@ -223,18 +226,24 @@ def read_layer(path: str | Path, layer: int, experts: Experts, method: str) -> d
 
 
 class LayerReader:
-    """Reads the experts of one layer of a checkpoint directory (as read_layer), a range at a time:
-    the directory is indexed, and a Hugging Face directory's layer found and checked, once, not per
-    range (a big model's index holds ~100k tensor names)."""
+    """Reads the experts of one layer of a checkpoint directory or GGUF model (as read_layer), a
+    range at a time: the directory is indexed, and a Hugging Face directory's or GGUF model's layer
+    found and checked, once, not per range (a big model's index holds ~100k tensor names)."""
 
     def __init__(
         self, path: str | Path, layer: int, method: str, sizes: tuple[int, int] | None = None
     ) -> None:
         """``sizes``: the (hidden, intermediate) the caller's layer has; a Hugging Face directory's
-        layer of other sizes is refused here, from the headers, before any expert is read."""
+        or GGUF model's layer of other sizes is refused here, from the headers, before any expert is
+        read."""
         self.path, self.layer, self.method = path, layer, method
         self._files: dict[str, Path] | None = None
         self._source: tuple[ExpertSource, MoELayer] | None = None
+        self._gguf: GGUFLayerReader | None = None
+        self._converted = False
+        if is_gguf_checkpoint(path):
+            self._gguf = GGUFLayerReader(path, layer, formats.get(method).name, sizes)
+            return
         self._converted = read_manifest(path) is not None
         if self._converted:
             return
@@ -254,6 +263,8 @@ class LayerReader:
                 )
 
     def read(self, experts: Experts) -> dict[str, torch.Tensor]:
+        if self._gguf is not None:
+            return self._gguf.read(experts)
         if self._converted:
             return read_converted_layer(self.path, self.layer, experts, self.method)
         if self._gpt_oss_prefix is not None:

@@ -376,18 +376,19 @@ class KTMoEWrapper:
                 sp.engine.set_biases(*sliced, down if index == 0 else None)
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
-        """Load layer ``layer_idx`` from the checkpoint directory ``weight_path``.
+        """Load layer ``layer_idx`` from the checkpoint directory or GGUF model ``weight_path``.
 
         A directory written by ``kt-kernel convert`` (it holds kt_manifest.json) in the method's
-        format; otherwise a Hugging Face model directory as it ships (BF16, FP8, compressed-tensors or
-        GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash or gpt-oss layout (with its expert biases; see
-        kt_kernel.checkpoint).
+        format; a GGUF model (a .gguf file, a split set or a directory of them: method GGUF for its
+        quantized experts, BF16 for float ones); otherwise a Hugging Face model directory as it ships
+        (BF16, FP8, compressed-tensors or GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash or gpt-oss
+        layout (with its expert biases; see kt_kernel.checkpoint).
         Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to, read and
         packed in LOAD_PARTS parts: the memory it needs beyond the packed layer is about one part.
         Where a part fails, the layer is left unloaded.
         """
         if self.weight_path is None:
-            raise ValueError("load_weights needs weight_path (a checkpoint directory)")
+            raise ValueError("load_weights needs weight_path (a checkpoint directory or GGUF model)")
         if not os.path.exists(self.weight_path):
             raise FileNotFoundError(errno.ENOENT, "weight_path does not exist", str(self.weight_path))
         sources = self.num_experts
