@@ -1,6 +1,6 @@
 """On a CPU without AVX512 (qemu-user emulating Haswell) whose /proc/cpuinfo still shows the host's
 AVX512 flags, `import kt_kernel` must end on the avx2 build (CPUID refusal + fallback, no SIGILL)
-and BF16, MXFP4, INT8, INT4 and FP8 forwards must run and match the reference (the integer formats
+and BF16, MXFP4, INT8, INT4, FP8 and GGUF forwards must run and match the reference (the integer formats
 on the plain AVX2 path: Haswell has no AVX-VNNI)."""
 
 from __future__ import annotations
@@ -58,6 +58,18 @@ for tokens in (1, 9):
     moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method="FP8")
     moe.load_weights_from_tensors(*(q[n][0] for n in q), **{f"{n}_scale": q[n][1] for n in q})
     assert_close_to_reference(moe.forward(p.hidden, p.ids, p.weights), reference_forward(p))
+# GGUF (int8 values, a scale and a min per 32 inputs): always int16 activations on plain AVX2.
+p = make_problem(experts=8, top_k=2, hidden=64, inter=64, tokens=9)
+tensors = {}
+for name in ("gate", "up", "down"):
+    values, pairs = kt_kernel.quant.quantize("GGUF", getattr(p, name))
+    pairs[..., 1::2] = 0.01 * torch.randn(pairs[..., 1::2].shape)  # mins, as K-quants have them
+    tensors[name], tensors[name + "_scale"] = values, pairs
+    setattr(p, name, kt_kernel.quant.dequantize("GGUF", values, pairs))
+moe = kt_kernel.KTMoEWrapper(0, 8, 2, 64, 64, None, 2, 1, None, 512, method="GGUF")
+moe.load_weights_from_tensors(tensors.pop("gate"), tensors.pop("up"), tensors.pop("down"), **tensors)
+ref = reference_forward(p)
+assert ((moe.forward(p.hidden, p.ids, p.weights).double() - ref).norm() / ref.norm()).item() < 0.005
 print("VARIANT", kt_kernel.__cpu_variant__, kt_kernel.cpu_info()["kernels"]["bf16_path"])
 print("INT8 PATH", kt_kernel.cpu_info()["kernels"]["int8_path"])
 """

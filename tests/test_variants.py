@@ -23,6 +23,7 @@ SUITES = [
     "tests/test_mxfp8.py",
     "tests/test_nvfp4.py",
     "tests/test_gguf_kernels.py",
+    "tests/test_gguf_accuracy.py",
 ]
 RUNS = {
     "amx": {"KT_KERNEL_CPU_VARIANT": "amx"},
@@ -52,6 +53,7 @@ RUN_SUITES = {
         "tests/test_mxfp4_kernels.py",
         "tests/test_accuracy.py",
         "tests/test_gguf_kernels.py",
+        "tests/test_gguf_accuracy.py",
     ],
 }
 

@@ -1,0 +1,75 @@
+"""GGUF files computed exactly: every supported ggml type, written with gguf.GGUFWriter, read by
+load_weights(method="GGUF") and run on the build under test, within 0.5 % of an fp64 forward on the
+weights as gguf-py's dequantize decodes them, with outlier activations (4 channels x 100). Also
+Q4_K_M's mix (Q6_K down) and llama.cpp's fallback for rows that are not whole K-quant blocks (1408
+inputs: Q8_0 and Q5_0). test_variants runs it under every build and path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_accuracy import BOUND, activations, reference, relative_error, routing
+
+gguf = pytest.importorskip("gguf")
+
+from test_gguf_file import FP16_FIELDS, KNOWN_TYPES, random_blocks, write_layer  # noqa: E402
+
+from kt_kernel.gguf_blocks import BLOCK_TYPES  # noqa: E402
+
+from moe_reference import moe_wrapper  # noqa: E402
+
+EXPERTS, TOP_K = 4, 2
+
+
+def realistic_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks with the scales of real weights: every fp16 d / dmin about 2^-8 (either
+    sign), MXFP4's E8M0 exponents 2^-9..2^-5, so that the outputs stay far from overflow."""
+    blocks = random_blocks(type_name, rows, k, rng)
+    block = BLOCK_TYPES[type_name]
+    blocks = blocks.reshape(-1, block.block_bytes)
+    for offset in FP16_FIELDS[type_name]:
+        field = (rng.standard_normal(len(blocks)) * 2.0**-8).astype(np.float16)
+        blocks[:, offset : offset + 2] = field.view(np.uint8).reshape(-1, 2)
+    if type_name == "MXFP4":
+        blocks[:, 0] = rng.integers(119, 123, len(blocks))
+    return blocks.reshape(rows, -1)
+
+
+def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: int) -> float:
+    rng = np.random.default_rng(sum(map(ord, "".join(types.values()))))
+    projections = {}
+    for name, type_name in types.items():
+        rows, k = (hidden, inter) if name == "down" else (inter, hidden)
+        blocks = realistic_blocks(type_name, EXPERTS * rows, k, rng).reshape(EXPERTS, rows, -1)
+        projections[name] = (type_name, blocks)
+    path = tmp_path / "model.gguf"
+    decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
+    moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
+    moe.load_weights()
+    x = activations(tokens, hidden, 100)
+    ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)
+    exact = [torch.from_numpy(decoded[name]).double() for name in ("gate", "up", "down")]
+    return relative_error(moe.forward(x, ids, weights), reference(exact, x, ids, weights))
+
+
+@pytest.mark.parametrize("tokens", [1, 24])
+@pytest.mark.parametrize("type_name", KNOWN_TYPES)
+def test_every_type_within_half_a_percent_of_fp64(tmp_path, type_name, tokens):
+    error = run_layer(tmp_path, dict.fromkeys(("gate", "up", "down"), type_name), 512, 256, tokens)
+    assert error < BOUND, f"{type_name}: relative error {error:.4%}"
+
+
+@pytest.mark.parametrize(
+    ("types", "hidden", "inter"),
+    [
+        ({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, 512, 256),  # Q4_K_M
+        ({"gate": "Q2_K", "up": "Q3_K", "down": "Q5_K"}, 512, 256),  # groups of 16 and 32 mixed
+        ({"gate": "Q8_0", "up": "Q8_0", "down": "Q5_0"}, 512, 1408),  # 1408: not whole blocks of 256
+    ],
+    ids=["q4_k_m", "k-quants-mixed", "inter-1408"],
+)
+@pytest.mark.parametrize("tokens", [1, 24])
+def test_mixed_layers_within_half_a_percent_of_fp64(tmp_path, types, hidden, inter, tokens):
+    error = run_layer(tmp_path, types, hidden, inter, tokens)
+    assert error < BOUND, f"{types}: relative error {error:.4%}"
