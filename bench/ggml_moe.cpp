@@ -6,17 +6,19 @@
 //   cmake --build ggml-build -j
 //   g++ -O2 -std=c++17 bench/ggml_moe.cpp -Iggml/include -Lggml-build/src -lggml -lggml-cpu -lggml-base -lpthread -o ggml_moe
 //   ./ggml_moe q4_0 1 12 6 100 [cache_clear_mib]
+//   ./ggml_moe q4_K,q4_K,q6_K 512 1 1 5      # gate, up, down of their own types (Q4_K_M's mix)
 //
 // For the AVX2-only comparison, configure ggml with -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON
 // -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF instead of -DGGML_NATIVE=ON (and
 // -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF for the tree vendored by the sdist, which lacks them).
 //
-// Arguments: weight type (q4_0, mxfp4, q8_0, bf16), tokens T, layers L, weight sets S, steps. The
+// Arguments: weight type (ggml's name: q4_0, mxfp4, q8_0, q4_K, q6_K, iq4_xs, bf16, ...; or three,
+// comma-separated, for gate, up and down), tokens T, layers L, weight sets S, steps. The
 // shape is qwen3-30b's (E=128, K=8, H=2048, I=768); 2 threads on a persistent ggml threadpool (the
 // calling thread is one of them). Each layer is llama.cpp's MoE graph (build_moe_ffn): mul_mat_id
 // for up and gate, swiglu_split, mul_mat_id for down, the routing weights, the sum over the K
-// experts. Weights are placed in the CPU_REPACK buffer where ggml repacks that type (q4_0, mxfp4 on
-// AVX2 and up), as llama.cpp does. Layer l uses weight set l % S; every call draws fresh routing.
+// experts. Weights are placed in the CPU_REPACK buffer where ggml repacks their type on x86 (q4_0,
+// q4_K, iq4_nl, mxfp4 on AVX2 and up, q2_K on AVX512: ggml's repack.cpp), as llama.cpp does. Layer l uses weight set l % S; every call draws fresh routing.
 // Prints the median ms of layer 0 called back to back, and the median over steps of the per-layer
 // ms of the L layers called in turn (only the graph computes are timed), with an optional read of
 // a separate buffer before each layer.
@@ -48,6 +50,22 @@ struct LayerGraph {
   ggml_tensor *x, *ids, *route_weights;
 };
 
+// The ggml type named `name` (ggml_type_name's spelling); exits on an unknown one.
+ggml_type type_named(const std::string& name) {
+  for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+    const char* type_name = ggml_type_name(ggml_type(t));
+    if (type_name != nullptr && name == type_name) return ggml_type(t);
+  }
+  std::fprintf(stderr, "unknown ggml type %s\n", name.c_str());
+  std::exit(2);
+}
+
+// Whether ggml's CPU_REPACK buffer takes tensors of `type` on this x86 CPU (repack.cpp).
+bool repacked_on_x86(ggml_type type) {
+  return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_K || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4 ||
+         (type == GGML_TYPE_Q2_K && ggml_cpu_has_avx512());
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -57,14 +75,22 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc < 6) {
-    std::fprintf(stderr, "usage: %s q4_0|mxfp4|q8_0|bf16 T layers sets steps [cache_clear_mib]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s TYPE|GATE,UP,DOWN T layers sets steps [cache_clear_mib]\n", argv[0]);
     return 2;
   }
   const std::string name = argv[1];
   const int tokens = std::atoi(argv[2]), layers = std::atoi(argv[3]), sets = std::atoi(argv[4]);
   const int steps = std::atoi(argv[5]), clear_mib = argc > 6 ? std::atoi(argv[6]) : 0;
-  const ggml_type type = name == "q4_0" ? GGML_TYPE_Q4_0 : name == "mxfp4" ? GGML_TYPE_MXFP4
-                         : name == "q8_0" ? GGML_TYPE_Q8_0 : GGML_TYPE_BF16;
+  ggml_type types[3];  // gate, up, down
+  for (int p = 0, start = 0; p < 3; ++p) {
+    const size_t comma = name.find(',', start);
+    types[p] = type_named(name.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) {
+      for (int q = p + 1; q < 3; ++q) types[q] = types[p];
+      break;
+    }
+    start = int(comma) + 1;
+  }
 
   ggml_cpu_init();
   ggml_backend_t backend = ggml_backend_cpu_init();
@@ -76,17 +102,21 @@ int main(int argc, char** argv) {
   ggml_backend_dev_t device = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
   auto extra_types = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
       ggml_backend_reg_get_proc_address(ggml_backend_dev_backend_reg(device), "ggml_backend_dev_get_extra_bufts"));
-  ggml_backend_buffer_type_t weight_buffer = ggml_backend_cpu_buffer_type();
-  if (extra_types != nullptr && (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_MXFP4))
+  ggml_backend_buffer_type_t repack_buffer = nullptr;
+  if (extra_types != nullptr)
     for (ggml_backend_buffer_type_t* t = extra_types(device); t != nullptr && *t != nullptr; ++t)
-      if (std::string(ggml_backend_buft_name(*t)) == "CPU_REPACK") weight_buffer = *t;
-  const bool repacked = weight_buffer != ggml_backend_cpu_buffer_type();
+      if (std::string(ggml_backend_buft_name(*t)) == "CPU_REPACK") repack_buffer = *t;
+  const auto buffer_of = [&](ggml_type type) {
+    return repack_buffer != nullptr && repacked_on_x86(type) ? repack_buffer : ggml_backend_cpu_buffer_type();
+  };
+  const bool repacked = buffer_of(types[0]) != ggml_backend_cpu_buffer_type() ||
+                        buffer_of(types[2]) != ggml_backend_cpu_buffer_type();
 
   // One expert's matrix quantized once and repeated over the experts (the timing does not depend on
   // the values); every weight set gets its own copy in memory.
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 0.02f);
-  const auto experts_of = [&](int rows, int cols) {
+  const auto experts_of = [&](ggml_type type, int rows, int cols) {
     std::vector<float> values(size_t(rows) * cols);
     for (float& v : values) v = normal(rng);
     std::vector<uint8_t> one(ggml_row_size(type, cols) * rows);
@@ -98,16 +128,22 @@ int main(int argc, char** argv) {
     for (int e = 0; e < kExperts; ++e) std::memcpy(all.data() + e * one.size(), one.data(), one.size());
     return all;
   };
-  const std::vector<uint8_t> gate_bytes = experts_of(kInter, kHidden), up_bytes = experts_of(kInter, kHidden);
-  const std::vector<uint8_t> down_bytes = experts_of(kHidden, kInter);
+  const std::vector<uint8_t> gate_bytes = experts_of(types[0], kInter, kHidden);
+  const std::vector<uint8_t> up_bytes = experts_of(types[1], kInter, kHidden);
+  const std::vector<uint8_t> down_bytes = experts_of(types[2], kHidden, kInter);
   std::vector<Weights> weight_sets(sets);
   for (Weights& w : weight_sets) {
-    ggml_init_params params = {3 * ggml_tensor_overhead(), nullptr, true};
-    ggml_context* ctx = ggml_init(params);
-    w.gate = ggml_new_tensor_3d(ctx, type, kHidden, kInter, kExperts);
-    w.up = ggml_new_tensor_3d(ctx, type, kHidden, kInter, kExperts);
-    w.down = ggml_new_tensor_3d(ctx, type, kInter, kHidden, kExperts);
-    ggml_backend_alloc_ctx_tensors_from_buft(ctx, weight_buffer);
+    // One context per tensor: each goes to the buffer its type takes.
+    const auto tensor_of = [&](ggml_type type, int cols, int rows) {
+      ggml_init_params params = {ggml_tensor_overhead(), nullptr, true};
+      ggml_context* ctx = ggml_init(params);
+      ggml_tensor* t = ggml_new_tensor_3d(ctx, type, cols, rows, kExperts);
+      ggml_backend_alloc_ctx_tensors_from_buft(ctx, buffer_of(type));
+      return t;
+    };
+    w.gate = tensor_of(types[0], kHidden, kInter);
+    w.up = tensor_of(types[1], kHidden, kInter);
+    w.down = tensor_of(types[2], kInter, kHidden);
     ggml_backend_tensor_set(w.gate, gate_bytes.data(), 0, gate_bytes.size());
     ggml_backend_tensor_set(w.up, up_bytes.data(), 0, up_bytes.size());
     ggml_backend_tensor_set(w.down, down_bytes.data(), 0, down_bytes.size());

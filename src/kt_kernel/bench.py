@@ -145,12 +145,41 @@ def torch_format(fmt: str) -> str:
     return fmt if fmt in TORCH_BASELINES else "bf16"
 
 
+#: The groups of the GGUF rows: Q4_K_M's mix (gate and up Q4_K, groups of 32; down Q6_K, groups of
+#: 16). Every ggml type is held as int8 values with groups of 32 or 16 (kt_kernel.gguf_blocks), so
+#: each runs as fast as these groups do.
+GGUF_BENCH_GROUPS = {"gate": 32, "up": 32, "down": 16}
+PROJECTIONS = ("gate", "up", "down")
+
+
+def bench_group(fmt: str, projection: str) -> int | None:
+    """The group size the bench quantizes a projection with: None (the format's default) but GGUF's."""
+    return GGUF_BENCH_GROUPS[projection] if formats.get(fmt) is formats.GGUF else None
+
+
 def weight_bytes(fmt: str) -> float:
-    """Bytes per weight, scales included: group scales at the largest group (the one quantize-on-load
-    picks for every shape here), a scale per row counted as negligible."""
+    """Bytes per weight, scales included, over the three projections (of one size each): group scales
+    at the bench's group (the largest, the one quantize-on-load picks for every shape here, but
+    GGUF's), a scale per row counted as negligible."""
     f = formats.get(fmt)
-    scale_bytes = f.scales_per_group * f.scale_bytes
-    return f.value_bits / 8 + (scale_bytes / max(f.scale_groups) if f.group_scales else 0)
+    if not f.group_scales:
+        return f.value_bits / 8
+    groups = [bench_group(fmt, p) or max(f.scale_groups) for p in PROJECTIONS]
+    return f.value_bits / 8 + sum(f.scales_per_group * f.scale_bytes / g for g in groups) / len(groups)
+
+
+def load_bench_weights(moe, fmt: str, gate, up, down) -> None:
+    """Float weights quantized on load, or in the bench's groups (GGUF)."""
+    if formats.get(fmt) is not formats.GGUF:
+        moe.load_weights_from_tensors(gate, up, down)
+        return
+    quantized = {
+        p: formats.GGUF.quantize(w, bench_group(fmt, p))
+        for p, w in zip(PROJECTIONS, (gate, up, down), strict=True)
+    }
+    moe.load_weights_from_tensors(
+        *(quantized[p][0] for p in PROJECTIONS), **{f"{p}_scale": quantized[p][1] for p in PROJECTIONS}
+    )
 
 
 def time_calls(call, inputs, budget_s: float, min_calls: int, max_calls: int, warmup: int) -> list[float]:
@@ -255,7 +284,7 @@ def run_worker(args: argparse.Namespace) -> dict:
                 threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
                 int8_activations=mode == "int8",
             )  # fmt: skip
-            moe.load_weights_from_tensors(gate, up, down)
+            load_bench_weights(moe, fmt, gate, up, down)
             for tokens in args.tokens:
                 progress(step, steps, f"{label} {shape} {fmt} ({mode} activations) T={tokens}")
                 step += 1

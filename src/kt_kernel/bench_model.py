@@ -22,6 +22,7 @@ from . import formats
 from .bench import (
     DECODE_MAX_TOKENS,
     SHAPES,
+    bench_group,
     build_label,
     call_inputs,
     opt,
@@ -94,7 +95,8 @@ def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
     tensors = {}
     for name, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
         values = f.random_values((experts, rows, f.canonical_bytes(k)), gen)
-        _, scale = f.quantize(torch.empty(1, k).uniform_(-1, 1, generator=gen) * (3 / k) ** 0.5)
+        row = torch.empty(1, k).uniform_(-1, 1, generator=gen) * (3 / k) ** 0.5
+        _, scale = f.quantize(row, bench_group(fmt, name))
         tensors[f"{name}_proj"] = values.view(f.value_dtypes[0])
         tensors[f"{name}_scale"] = scale.expand(experts, rows, *scale.shape[1:]).contiguous()
     return tensors

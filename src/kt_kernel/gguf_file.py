@@ -299,11 +299,30 @@ class GGUFLayerReader:
             raise quantized[0].fail(
                 f"is {quantized[0].type_name}, a quantized type: read it with method={GGUF_FORMAT!r}"
             )
+        if quantized:
+            self._warn_of_memory(quantized)
         rounded = [f"{t.name!r} ({t.type_name})" for t in floats if t.type_name != "BF16"]
         if rounded:
             warnings.warn(
                 f"{floats[0].file}: method {FLOAT_FORMAT} rounds {', '.join(rounded)} to bf16", stacklevel=3
             )
+
+    def _warn_of_memory(self, tensors: list[_ExpertTensor]) -> None:
+        """The engine holds every quantized type as a byte per weight plus a float32 scale and min
+        per group: more memory than the file's blocks. Said once per file and set of types (the
+        warning's text is the same for every layer)."""
+        held = stored = 0.0
+        for t in tensors:
+            block = BLOCK_TYPES[t.type_name]
+            held += 1 + 8 / block.group
+            stored += block.block_bytes / block.block_inputs
+        types = "/".join(dict.fromkeys(t.type_name for t in tensors))
+        warnings.warn(
+            f"{self.model.where}: {types} experts are held exactly as int8 values with a float32 scale and "
+            f"min per group: {held / len(tensors):.2f} bytes per weight in memory, "
+            f"{held / stored:.1f}x the file's {stored / len(tensors):.2f}",
+            stacklevel=4,
+        )
 
     def _bias(self, projection: str) -> np.ndarray | None:
         """gpt-oss's expert biases ``[E, N]``, where the layer has them."""
