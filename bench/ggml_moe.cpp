@@ -151,7 +151,8 @@ int main(int argc, char** argv) {
 
   std::vector<LayerGraph> graphs(layers);
   for (int l = 0; l < layers; ++l) {
-    ggml_init_params params = {size_t(64) << 20, nullptr, false};
+    // The intermediate tensors live in the context: about 150 KiB per token (75 MB at T = 512).
+    ggml_init_params params = {(size_t(64) + size_t(tokens) / 2) << 20, nullptr, false};
     LayerGraph& g = graphs[l];
     g.ctx = ggml_init(params);
     const Weights& w = weight_sets[l % sets];

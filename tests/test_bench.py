@@ -187,3 +187,34 @@ def test_guard_retries_a_slower_row_once_and_fails_when_it_is_slower_again(
 def test_guard_refuses_options_it_cannot_honour(options, capsys):
     assert kt_main(["bench", "--guard", *options]) == 2
     assert "--guard" in capsys.readouterr().err
+
+
+def test_formats_with_a_group_size(tmp_path):
+    """fp8:16 (NVFP4's blocks), fp8:32 (MXFP8's), int4:32 and gguf (Q4_K_M's groups) run in both modes,
+    the layer mode loading them in those groups; bytes per weight count their scales."""
+    from kt_kernel import bench
+
+    assert bench.weight_bytes("fp8:16") == 1 + 4 / 16 and bench.weight_bytes("int4:32") == 0.5 + 4 / 32
+    assert bench.weight_bytes("gguf") == 1 + (2 * 8 / 32 + 8 / 16) / 3
+    out = tmp_path / "bench.json"
+    result = run_bench("--shape", "tiny", "--tokens", "1", "--calls", "3", "--no-torch", "--json", str(out),
+                       "--format", "fp8:16", "fp8:32", "int4:32", "gguf")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["format"] for row in json.loads(out.read_text())["rows"]] == [
+        "fp8:16",
+        "fp8:32",
+        "int4:32",
+        "gguf",
+    ]
+    result = run_bench(
+        "--model", "tiny", "--layers", "2", "--tokens", "1", "--calls", "3", "--format", "fp8:16"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("entry", ["fp8:64", "int8:32", "bf16:16", "fp8:x", "fp8:0", "nf4"])
+def test_format_entries_outside_the_registry_are_refused(entry, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        kt_main(["bench", "--format", entry])
+    assert exit_info.value.code == 2
+    assert repr(entry) in capsys.readouterr().err

@@ -152,16 +152,41 @@ GGUF_BENCH_GROUPS = {"gate": 32, "up": 32, "down": 16}
 PROJECTIONS = ("gate", "up", "down")
 
 
+def format_of(fmt: str) -> formats.WeightFormat:
+    """The format of a bench format entry: a format's name, or ``name:G`` (its scale groups of G)."""
+    return formats.get(fmt.split(":")[0])
+
+
+def bench_format(text: str) -> str:
+    """--format's entries: a format's name, or ``name:G`` for a format that offers a choice of group
+    size (``fp8:16`` runs NVFP4's blocks, ``fp8:32`` MXFP8's)."""
+    name, _, group = text.lower().partition(":")
+    choices = [f.lower() for f in formats.FORMATS]
+    if name not in choices:
+        raise argparse.ArgumentTypeError(f"{text!r}: not one of {', '.join(choices)} (or name:G)")
+    if group:
+        f = formats.get(name)
+        if not f.group_choice or not group.isdigit() or int(group) not in f.scale_groups or not int(group):
+            offered = ", ".join(
+                f"{n.lower()}:{g}" for n in formats.GROUP_CHOICE for g in formats.get(n).scale_groups if g
+            )
+            raise argparse.ArgumentTypeError(f"{text!r}: the groups offered are {offered}")
+    return text.lower()
+
+
 def bench_group(fmt: str, projection: str) -> int | None:
-    """The group size the bench quantizes a projection with: None (the format's default) but GGUF's."""
-    return GGUF_BENCH_GROUPS[projection] if formats.get(fmt) is formats.GGUF else None
+    """The group size the bench quantizes a projection with: ``name:G``'s G, GGUF's Q4_K_M mix, or
+    None (the format's default)."""
+    if ":" in fmt:
+        return int(fmt.split(":")[1])
+    return GGUF_BENCH_GROUPS[projection] if format_of(fmt) is formats.GGUF else None
 
 
 def weight_bytes(fmt: str) -> float:
     """Bytes per weight, scales included, over the three projections (of one size each): group scales
     at the bench's group (the largest, the one quantize-on-load picks for every shape here, but
-    GGUF's), a scale per row counted as negligible."""
-    f = formats.get(fmt)
+    GGUF's and a given G), a scale per row counted as negligible."""
+    f = format_of(fmt)
     if not f.group_scales:
         return f.value_bits / 8
     groups = [bench_group(fmt, p) or max(f.scale_groups) for p in PROJECTIONS]
@@ -169,13 +194,13 @@ def weight_bytes(fmt: str) -> float:
 
 
 def load_bench_weights(moe, fmt: str, gate, up, down) -> None:
-    """Float weights quantized on load, or in the bench's groups (GGUF)."""
-    if formats.get(fmt) is not formats.GGUF:
+    """Float weights quantized on load, or in the bench's groups (GGUF, name:G)."""
+    f = format_of(fmt)
+    if bench_group(fmt, "gate") is None:
         moe.load_weights_from_tensors(gate, up, down)
         return
     quantized = {
-        p: formats.GGUF.quantize(w, bench_group(fmt, p))
-        for p, w in zip(PROJECTIONS, (gate, up, down), strict=True)
+        p: f.quantize(w, bench_group(fmt, p)) for p, w in zip(PROJECTIONS, (gate, up, down), strict=True)
     }
     moe.load_weights_from_tensors(
         *(quantized[p][0] for p in PROJECTIONS), **{f"{p}_scale": quantized[p][1] for p in PROJECTIONS}
@@ -258,7 +283,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     # has none of its own (the yardstick for the AVX2 build). Formats that quantize activations
     # multiply int8, the others bf16.
     bf16_op, int8_op = "dpbf16" if uses_dpbf16 else "fma_f32", "dpint8" if uses_dpint8 else "fma_f32"
-    peak_ops = {f: int8_op if formats.get(f).quantized_activations else bf16_op for f in args.format}
+    peak_ops = {f: int8_op if format_of(f).quantized_activations else bf16_op for f in args.format}
     if peak["tile_bf16"]:  # the amx build on AMX hardware: every format's prefill against AMX-BF16
         peak_ops = dict.fromkeys(args.format, "tile_bf16")
     label = build_label(kernels)
@@ -269,7 +294,7 @@ def run_worker(args: argparse.Namespace) -> dict:
         (f, mode)
         for f in args.format
         for mode in args.activations
-        if mode != "int8" or formats.get(f).quantized_activations
+        if mode != "int8" or format_of(f).quantized_activations
     ]
     steps = len(args.shape) * (len(runs) + len(baselines)) * len(args.tokens)
     step = 0
@@ -281,7 +306,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             moe = KTMoEWrapper(
                 layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
                 moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
-                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
+                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=format_of(fmt).name,
                 int8_activations=mode == "int8",
             )  # fmt: skip
             load_bench_weights(moe, fmt, gate, up, down)
@@ -471,7 +496,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape", nargs="+", choices=list(SHAPES), help=f"default: {' '.join(DEFAULT_SHAPES)}"
     )
-    parser.add_argument("--format", nargs="+", choices=choices, default=choices)
+    parser.add_argument(
+        "--format", nargs="+", type=bench_format, default=choices, metavar="FORMAT",
+        help=f"{', '.join(choices)}, or name:G for scale groups of G ({', '.join(formats.GROUP_CHOICE)}; "
+        "fp8:16: NVFP4's blocks, fp8:32: MXFP8's; gguf alone: Q4_K_M's groups)",
+    )  # fmt: skip
     parser.add_argument(
         "--tokens", nargs="+", type=int,
         help=f"default: {' '.join(map(str, TOKENS))} ({' '.join(map(str, MODEL_TOKENS))} with --model)",

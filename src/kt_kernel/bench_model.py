@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import formats
 from .bench import (
     DECODE_MAX_TOKENS,
     SHAPES,
     bench_group,
     build_label,
     call_inputs,
+    format_of,
     opt,
     progress,
     random_weights,
@@ -86,7 +86,7 @@ def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
     at the usual 1/sqrt(fan-in) scale quantized, so outputs stay at a sane magnitude all the same."""
     import torch
 
-    f = formats.get(fmt)
+    f = format_of(fmt)
     if not f.scale_groups:  # the float weights are the format's values
         gate, up, down = random_weights(shape, seed)
         return {"gate_proj": gate, "up_proj": up, "down_proj": down}
@@ -210,7 +210,7 @@ def run_model_worker(args: argparse.Namespace) -> dict:
             KTMoEWrapper(
                 layer_idx=i, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
                 moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
-                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=fmt.upper(),
+                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=format_of(fmt).name,
                 max_deferred_experts_per_token=args.deferred,
             )
             for i in range(args.layers)
