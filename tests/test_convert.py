@@ -197,6 +197,27 @@ def test_converted_tensors_are_the_quantized_source(tmp_path, models, fmt):
     assert checkpoint.read_converted_layer(tmp_path / "out", 1, 2, fmt)["down"].shape[0] == 2  # a prefix
 
 
+@pytest.mark.parametrize(("fmt", "group"), [("FP8", 16), ("FP8", 32), ("GGUF", 16)])
+def test_group_sizes_of_the_formats_that_offer_them(tmp_path, models, fmt, group):
+    """--group-size 16 / 32 for FP8 (NVFP4's and MXFP8's blocks) and GGUF: the quantized source."""
+    source, problems = models("deepseek", torch.bfloat16)
+    convert.convert_checkpoint(source, tmp_path / "out", fmt, group_size=group, progress=False)
+    assert json.loads((tmp_path / "out" / "kt_manifest.json").read_text())["group_size"] == group
+    p = problems[1]
+    tensors = checkpoint.read_converted_layer(tmp_path / "out", 1, E, fmt)
+    quantized = {name: quant.quantize(fmt, getattr(p, name), group) for name in ("gate", "up", "down")}
+    for name, (values, scales) in quantized.items():
+        assert torch.equal(tensors[name], values) and torch.equal(tensors[f"{name}_scale"], scales)
+    moe = moe_wrapper(E, K, H, I, layer_idx=1, weight_path=str(tmp_path / "out"), method=fmt)
+    moe.load_weights()
+    reference = moe_wrapper(E, K, H, I, method=fmt)
+    reference.load_weights_from_tensors(
+        *(values for values, _ in quantized.values()),
+        **{f"{name}_scale": scales for name, (_, scales) in quantized.items()},
+    )
+    assert torch.equal(moe.forward(p.hidden, p.ids, p.weights), reference.forward(p.hidden, p.ids, p.weights))
+
+
 def test_fp8_sources_are_copied_to_fp8_as_they_are(tmp_path):
     """H and I multiples of 128: the codes bit for bit, each block scale on the rows it covers."""
     hidden, inter = 256, 384

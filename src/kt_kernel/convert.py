@@ -383,7 +383,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output_dir", help="directory for layer_LLL.safetensors and kt_manifest.json")
     choices = list(formats.FORMATS)
     parser.add_argument("--format", required=True, type=str.upper, choices=choices, help="|".join(choices))
-    parser.add_argument("--group-size", type=int, help="INT4: 32, 64 or 128 (default: largest that fits)")
+    offered = "; ".join(
+        f"{name}: {', '.join(str(g) for g in formats.get(name).scale_groups if g)}"
+        for name in formats.GROUP_CHOICE
+    )
+    parser.add_argument("--group-size", type=int, help=f"{offered} (default: the largest that fits)")
     parser.add_argument("--layers", type=parse_layers, help="layers to convert: A-B, A, or a list like 0-3,7")
     parser.add_argument("--resume", action="store_true", help="skip layers already complete in OUTPUT_DIR")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
