@@ -39,12 +39,13 @@ struct SumsInPlace {
 // (what one unit of those values is worth), inputs_per_scale(w), scale(group_scales, s, first_row)
 // (the kLanes rows' scales of group s).
 // kByteValues: values of a byte each (GGUF), an octet in two INT8-layout lines instead of one
-// line's nibbles; kMins: a min per scale group, added times the activations' sum (GGUF).
+// line's nibbles; kIndexed: the nibbles index the weights' own 16 levels (w.levels: GGUF); kMins: a
+// min per scale group, added times the activations' sum (GGUF).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset, kMaxValue = 15;
   static constexpr float kValueScale = 1.0f;
-  static constexpr bool kByteValues = false, kMins = false;
+  static constexpr bool kByteValues = false, kIndexed = false, kMins = false;
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
     return V::and_(bytes, low_nibbles);
   }
@@ -62,7 +63,7 @@ template <class V>
 struct Mxfp4Format {
   static constexpr int kOffset = 12, kMaxValue = 24;
   static constexpr float kValueScale = 0.5f;
-  static constexpr bool kByteValues = false, kMins = false;
+  static constexpr bool kByteValues = false, kIndexed = false, kMins = false;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
@@ -81,7 +82,7 @@ template <class V>
 struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
   static constexpr float kValueScale = 1.0f;
-  static constexpr bool kByteValues = true, kMins = true;
+  static constexpr bool kByteValues = true, kIndexed = false, kMins = true;
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
     return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGgufPairFloats + first_row);
@@ -90,6 +91,13 @@ struct GgufFormat {
   static typename V::Float min(const uint8_t* group_scales, int s, int first_row) {
     return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGgufPairFloats + kGroupRows + first_row);
   }
+};
+
+// GGUF held as 4-bit indices into 16 levels (+ 128): the INT4 layout, each nibble looked up in the
+// projection's levels (w.levels) by one byte shuffle.
+template <class V>
+struct GgufIndexedFormat : GgufFormat<V> {
+  static constexpr bool kByteValues = false, kIndexed = true;
 };
 
 // The INT8 tile on int8 activations: one int32 sum takes a whole row (k <= kInt8MaxK, kernels.h).
@@ -183,11 +191,11 @@ inline WidenedTokens widen_tokens(const Activations& x, int k) {
 }
 
 // Whether a row's and its residual's sums of a scale group, added as 256 * row + residual, fit in
-// int32: at most 15 x 127 per input (INT4 with zero points), 4,096 inputs per scale; GGUF's byte
-// values (255 x 127 per input) take at most 32.
+// int32: inputs per scale x the largest weight x 127 x 257 (INT4: 4,096 inputs; GGUF's values up to
+// 255: 258).
 template <class FourBit>
 bool pairs_fit(const PackedGroups& w) {
-  return FourBit::inputs_per_scale(w) <= (FourBit::kByteValues ? 32 : 4096);
+  return int64_t(FourBit::inputs_per_scale(w)) * FourBit::kMaxValue * 127 * 257 < (int64_t(1) << 31);
 }
 
 // Every loop over a tile's rows is unrolled (KT_UNROLL): where GCC 12 kept one rolled, it held the
@@ -335,6 +343,11 @@ struct IntTiles {
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j + 1));
                   low[v] = Dot::weights(V::load(line(w, v, 2 * j)));
                   high[v] = Dot::weights(V::load(line(w, v, 2 * j + 1)));
+                } else if constexpr (FourBit::kIndexed) {
+                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
+                  const Int raw = V::load(line(w, v, j));
+                  low[v] = Dot::weights(V::lookup16(w.levels, V::and_(raw, low_nibbles)));
+                  high[v] = Dot::weights(V::lookup16(w.levels, V::and_(V::srli_epi32(raw, 4), low_nibbles)));
                 } else {
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
                   const Int raw = V::load(line(w, v, j));
@@ -473,14 +486,21 @@ void gemm_four_bit_maddwd(const Activations& x, const PackedGroups& w, float* y,
 // GGUF without vpdpbusd: tokens widened to int16 (MaddwdDot) always, one row and its residual as one
 // token or (int8_activations) a row alone: vpmaddubsw would saturate on byte weights. Tiles of
 // MaxTokens x NV groups.
-template <class V, int MaxTokens, int NV>
-void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  using Tiles = IntTiles<V, MaddwdDot<V>, GgufFormat<V>>;
+template <class V, int MaxTokens, int NV, class Format>
+void gemm_gguf_maddwd_of(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  using Tiles = IntTiles<V, MaddwdDot<V>, Format>;
   const WidenedTokens tokens = widen_tokens(x, w.k);
   int32_t* starts = tokens.running_sums + tokens.count * tokens.sums;
   Tiles::template gemm_tokens<Tiles::template FourBitTile, MaxTokens, NV, 1>(
       [&](int t) { return QuantizedParts<1>{{tokens(t)}}; }, tokens.count, w, y, x.quantized.parts * y_stride, starts);
   zero_residual_outputs(x, w, y, y_stride);
+}
+template <class V, int MaxTokens, int NV>
+void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (w.levels != nullptr)
+    gemm_gguf_maddwd_of<V, MaxTokens, NV, GgufIndexedFormat<V>>(x, w, y, y_stride);
+  else
+    gemm_gguf_maddwd_of<V, MaxTokens, NV, GgufFormat<V>>(x, w, y, y_stride);
 }
 
 KT_NAMESPACE_END

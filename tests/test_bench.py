@@ -195,7 +195,8 @@ def test_formats_with_a_group_size(tmp_path):
     from kt_kernel import bench
 
     assert bench.weight_bytes("fp8:16") == 1 + 4 / 16 and bench.weight_bytes("int4:32") == 0.5 + 4 / 32
-    assert bench.weight_bytes("gguf") == 1 + (2 * 8 / 32 + 8 / 16) / 3
+    assert bench.weight_bytes("gguf") == (2 * (0.5 + 8 / 32) + 1 + 8 / 16) / 3  # Q4_K_M's mix
+    assert bench.weight_bytes("gguf:16") == 1 + 8 / 16
     out = tmp_path / "bench.json"
     result = run_bench("--shape", "tiny", "--tokens", "1", "--calls", "3", "--no-torch", "--json", str(out),
                        "--format", "fp8:16", "fp8:32", "int4:32", "gguf")  # fmt: skip

@@ -47,6 +47,12 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
     moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
     moe.load_weights()
+    # Held as BLOCK_TYPES says: 4-bit indices or bytes, and a float32 (scale, min) per group.
+    held = sum(
+        rows * k * (BLOCK_TYPES[types[name]].held_bits / 8 + 8 / BLOCK_TYPES[types[name]].group)
+        for name, (rows, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
+    )
+    assert sum(sp.engine.packed_bytes() for sp in moe._subpools) == EXPERTS * held
     x = activations(tokens, hidden, 100)
     ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)
     exact = [torch.from_numpy(decoded[name]).double() for name in ("gate", "up", "down")]

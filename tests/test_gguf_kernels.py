@@ -117,3 +117,98 @@ def test_scales_of_another_shape_are_refused(scale_shape, message):
         moe.load_weights_from_tensors(
             gate[0], up[0], down[0], gate_scale=bad, up_scale=up[1], down_scale=down[1]
         )
+
+
+#: The 16 levels of the 4-bit ggml types (the engine's catalog, src/core/formats/gguf.cpp).
+LEVELS = {
+    "0..15": list(range(16)),
+    "-8..7": list(range(-8, 8)),
+    "e2m1x2": [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+    "iq4": [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+}
+
+
+def on_levels(t: tuple[torch.Tensor, torch.Tensor], levels: list[int], g: torch.Generator):
+    """t with every value replaced by one of `levels`."""
+    index = torch.randint(0, len(levels), t[0].shape, generator=g)
+    return torch.tensor(levels, dtype=torch.int8)[index], t[1]
+
+
+def engine_bytes(gate, up, down) -> int:
+    """The packed bytes of an engine loaded with the tensors (the same shape every time)."""
+    from kt_kernel._native import ext
+
+    engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    engine.load(gate[0], gate[1], up[0], up[1], down[0], down[1], torch.arange(EXPERTS))
+    return engine.packed_bytes()
+
+
+@pytest.mark.parametrize("levels", LEVELS)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_values_of_16_levels_are_held_as_4_bit_indices(levels, tokens):
+    """Projections whose values are 16 levels (the 4-bit ggml types) are held as 4-bit indices,
+    exactly: half the bytes of their values; one of bytes beside them (Q6_K's down) stays bytes."""
+    g = torch.Generator().manual_seed(5)
+    gate, up, down = problem((32, 16), True, seed=5)
+    gate, up = on_levels(gate, LEVELS[levels], g), on_levels(up, LEVELS[levels], g)
+    moe = loaded(gate, up, down)
+    x = activations(tokens, HIDDEN, 100)
+    ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)
+    ref = reference([decoded(*gate), decoded(*up), decoded(*down)], x, ids, weights)
+    error = relative_error(moe.forward(x, ids, weights), ref)
+    assert error < BOUND, f"relative error {error:.4%}"
+    indexed, as_bytes = engine_bytes(gate, up, down), engine_bytes(*problem((32, 16), True, seed=5))
+    assert as_bytes - indexed == 2 * EXPERTS * INTER * HIDDEN // 2  # gate and up: 4 bits a value fewer
+
+
+def test_a_part_with_values_outside_the_levels_of_the_first_is_refused():
+    """A load in parts (load_weights) holds a projection as indices into the first part's levels: a
+    later part with other values is refused, and the layer completes with values that fit."""
+    from kt_kernel._native import ext
+
+    g = torch.Generator().manual_seed(6)
+    tensors = [t for p in problem((32, 32), True, seed=6) for t in on_levels(p, LEVELS["0..15"], g)]
+    engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    first, rest = torch.arange(EXPERTS) < EXPERTS // 2, torch.arange(EXPERTS) >= EXPERTS // 2
+    engine.load(*tensors, torch.where(first, torch.arange(EXPERTS), -1))
+    other = list(tensors)
+    other[0] = other[0].clone()
+    other[0][EXPERTS - 1, 0, 0] = -1  # not one of 0..15
+    with pytest.raises(ValueError, match="only values the parts before it hold"):
+        engine.load(*other, torch.where(rest, torch.arange(EXPERTS), -1))
+    engine.load(*tensors, torch.where(rest, torch.arange(EXPERTS), -1))
+    assert (
+        engine.packed_bytes()
+        == engine_bytes(*problem((32, 32), True, seed=6)) - 3 * EXPERTS * INTER * HIDDEN // 2
+    )
+
+
+@pytest.mark.parametrize("levels", ["iq4", "-8..7"])
+def test_unpack_gives_back_the_canonical_tensors(levels):
+    """What the GPU write-back reads (MoEEngine.unpack): values and (scale, min) pairs as loaded, from
+    4-bit indices and from bytes alike."""
+    from kt_kernel._native import ext
+
+    g = torch.Generator().manual_seed(7)
+    gate, up, down = problem((32, 16), True, seed=7)
+    gate = on_levels(gate, LEVELS[levels], g)  # indices; up and down stay bytes
+    engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    engine.load(gate[0], gate[1], up[0], up[1], down[0], down[1], torch.arange(EXPERTS))
+    for name, (values, pairs), k0, cols in (("gate", gate, 64, 128), ("down", down, 32, 64)):
+        out_values = torch.empty(16, cols, dtype=torch.int8)
+        out_pairs = torch.empty(16, 2 * cols // (2 * values.shape[-1] // pairs.shape[-1]))
+        engine.unpack(
+            name,
+            3,
+            16,
+            16,
+            k0,
+            cols,
+            out_values.data_ptr(),
+            cols,
+            out_pairs.data_ptr(),
+            out_pairs.shape[1] * 4,
+        )
+        group = 2 * values.shape[-1] // pairs.shape[-1]
+        assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
+        assert torch.equal(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])

@@ -267,6 +267,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
            nb::arg("gate").none(), nb::arg("up").none(), nb::arg("down").none(),
            "Expert biases per slot (float32, C-contiguous, each None or: gate/up [E, I], down [E, H]), added "
            "in fp32: gate and up before the activation, down before the routing weight. All None: none.")
+      .def("packed_bytes", &kt::MoEEngine::packed_bytes, "Bytes of the packed weights.")
       .def("unload", &kt::MoEEngine::unload, nb::call_guard<nb::gil_scoped_release>(),
            "Mark every slot unpacked (memory kept): a load in parts, with source_of_slot -1 for the slots "
            "another part packs, starts here; the engine runs once every slot is packed.")

@@ -151,13 +151,17 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
                            w.down.scale_group == down.scale_group;
   require(every_slot || !earlier_parts || same_layout,
           "a part of a load must have the scale groups of the parts before it (the experts of a layer share them)");
+  const size_t gate_values = size_t(num_sources) * I * H, down_values = size_t(num_sources) * H * I;
   if (every_slot || !earlier_parts) {
     w.loaded = false;
-    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr);
-    w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr);
-    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr);
+    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr, value_levels(format_, gate, gate_values));
+    w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr, value_levels(format_, up, gate_values));
+    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr, value_levels(format_, down, down_values));
     w.packed.assign(E, 0);
   } else {
+    require(within_levels(w.gate, gate, gate_values) && within_levels(w.up, up, gate_values) &&
+                within_levels(w.down, down, down_values),
+            "a part of a load must hold only values the parts before it hold (16 levels, held as 4-bit indices)");
     if (gate.zeros != nullptr) w.gate.add_zero_points(format_, E);
     if (up.zeros != nullptr) w.up.add_zero_points(format_, E);
     if (down.zeros != nullptr) w.down.add_zero_points(format_, E);
@@ -175,6 +179,13 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
     }
   });
   w.loaded = w.ready();
+}
+
+size_t MoEEngine::packed_bytes() const {
+  size_t bytes = 0;
+  for (const PackedProjection* p : {&weights_->gate, &weights_->up, &weights_->down})
+    bytes += size_t(shape_.num_experts) * packed_groups(p->rows) * (p->group_bytes + p->group_scale_bytes * (1 + p->has_zeros));
+  return bytes;
 }
 
 void MoEEngine::unload() {

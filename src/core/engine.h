@@ -102,6 +102,8 @@ class MoEEngine {
   std::vector<std::vector<int>> worker_cpus();
   const MoEShape& shape() const { return shape_; }
   const FormatTraits& format() const { return format_; }
+  // Bytes of the packed weights (values, scales and zero points of every slot).
+  size_t packed_bytes() const;
   // The engine's threads, for work on its CPUs between forwards (the subpools' reduction).
   ThreadPool& pool() { return *pool_; }
 

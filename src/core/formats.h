@@ -60,6 +60,12 @@ struct FormatTraits {
   void (*pack_zeros)(const int8_t* zeros, int rows, int k, int scale_group, uint8_t* packed_zeros) = nullptr;
   // Canonical values per scale group: 2 where each group has a scale and a min (GGUF).
   int scales_per_group = 1;
+  // Formats whose int8 values may be held as 4-bit indices into 16 levels (GGUF): levels_of finds
+  // levels (+ 128, as kernels.h stores them) that hold every one of `count` values, or returns
+  // false; pack_indexed packs a canonical matrix so (its other arguments: pack's).
+  bool (*levels_of)(const int8_t* values, size_t count, int8_t* levels) = nullptr;
+  void (*pack_indexed)(const uint8_t* values, const uint8_t* scales, int rows, int k, int scale_group,
+                       const int8_t* levels, uint8_t* packed, uint8_t* packed_scales) = nullptr;
 
   bool has_scales() const { return scale_type != ScaleType::kNone; }
   bool has_zero_points() const { return pack_zeros != nullptr; }

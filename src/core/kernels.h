@@ -113,6 +113,8 @@ struct PackedGroups {
   // stride between groups.
   const uint8_t* zeros = nullptr;
   size_t group_zero_bytes = 0;
+  // GGUF held as 4-bit indices: the 16 levels they index, each + 128 (u8; 16-byte aligned); else null.
+  const int8_t* levels = nullptr;
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
   // tiles' prefetches run on into them (gemm_tiled).
   const uint8_t* next_values = nullptr;
@@ -165,10 +167,14 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // ---- GGUF (llama.cpp's integer block types, held as int8 values with a scale and a min per group)
 // Every weight is q * scale + min, q an int8, scale and min fp32 per G = 16 or 32 inputs of a row
 // (kt_kernel/gguf_blocks.py turns each ggml type into that exactly). Values: the INT8 layout above
-// (q + 128). Scales: per group, per scale group s, 16 scales, then the 16 rows' mins as
+// (q + 128); or, where every value of a projection is one of 16 levels (the 4-bit and smaller ggml
+// types: FormatTraits::levels_of), 4-bit indices into them in the INT4 layout, the levels + 128 in
+// PackedGroups::levels. Scales: per group, per scale group s, 16 scales, then the 16 rows' mins as
 // -min / 128: the kernels start a scale group's integer sum at -128 * sum(x) (the offset), so that
 // start times -min / 128 is min * sum(x), one fp32 FMA.
 constexpr int kGgufPairFloats = 2 * kGroupRows;
+constexpr int kLevels = 16;
+inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
 // ---- FP8 (E4M3, OCP "fn"): bf16 activations, weights decoded to bf16 in the kernel --------

@@ -22,11 +22,13 @@ void reserve_on_huge_pages(AlignedBuffer<uint8_t>& buffer, size_t bytes) {
 }  // namespace
 
 void PackedProjection::allocate(const FormatTraits& format, int experts, int rows_, int k_, int scale_group_,
-                                bool zero_points) {
+                                bool zero_points, const std::optional<std::array<int8_t, kLevels>>& levels_) {
   rows = rows_;
   k = k_;
   scale_group = scale_group_;
-  group_bytes = format.group_bytes(k);
+  indexed = levels_.has_value();
+  if (indexed) levels = *levels_;
+  group_bytes = indexed ? indexed_group_bytes(k) : format.group_bytes(k);
   group_scale_bytes = format.group_scale_bytes(k, scale_group);
   reserve_on_huge_pages(values, size_t(experts) * packed_groups(rows) * group_bytes);
   reserve_on_huge_pages(scales, size_t(experts) * packed_groups(rows) * group_scale_bytes);
@@ -54,16 +56,39 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
     groups.zeros = zeros.data() + index * group_scale_bytes;
     groups.group_zero_bytes = group_scale_bytes;
   }
+  if (indexed) groups.levels = levels.data();
   return groups;
+}
+
+std::optional<std::array<int8_t, kLevels>> value_levels(const FormatTraits& format, const SourceProjection& src,
+                                                         size_t count) {
+  std::array<int8_t, kLevels> levels;
+  if (format.levels_of == nullptr || !format.levels_of(static_cast<const int8_t*>(src.values), count, levels.data()))
+    return std::nullopt;
+  return levels;
+}
+
+bool within_levels(const PackedProjection& dst, const SourceProjection& src, size_t count) {
+  if (!dst.indexed) return true;
+  bool held[256] = {};
+  for (int8_t level : dst.levels) held[uint8_t(level)] = true;  // level + 128
+  const int8_t* values = static_cast<const int8_t*>(src.values);
+  for (size_t i = 0; i < count; ++i)
+    if (!held[uint8_t(values[i] + 128)]) return false;
+  return true;
 }
 
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert) {
   const int rows = dst.rows, k = dst.k;
   const size_t scales_per_row = format.scales_per_row(k, src.scale_group);
   const uint8_t* scales = static_cast<const uint8_t*>(src.scales);
-  format.pack(static_cast<const uint8_t*>(src.values) + matrix * rows * format.row_bytes(k),
-              scales ? scales + matrix * rows * scales_per_row * format.scale_bytes() : nullptr, rows, k,
-              src.scale_group, dst.expert_values(expert), dst.expert_scales(expert));
+  const uint8_t* values = static_cast<const uint8_t*>(src.values) + matrix * rows * format.row_bytes(k);
+  const uint8_t* matrix_scales = scales ? scales + matrix * rows * scales_per_row * format.scale_bytes() : nullptr;
+  if (dst.indexed)
+    format.pack_indexed(values, matrix_scales, rows, k, src.scale_group, dst.levels.data(), dst.expert_values(expert),
+                        dst.expert_scales(expert));
+  else
+    format.pack(values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert), dst.expert_scales(expert));
   if (src.zeros != nullptr)
     format.pack_zeros(static_cast<const int8_t*>(src.zeros) + matrix * rows * scales_per_row, rows, k,
                       src.scale_group, dst.expert_zeros(expert));

@@ -2,7 +2,9 @@
 // canonical layout of its format (FormatTraits), and a layer's set of them.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "common.h"
@@ -18,9 +20,14 @@ struct PackedProjection {
   AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
   AlignedBuffer<uint8_t> zeros;           // zero points (kernels.h), group_scale_bytes per group
   bool has_zeros = false;
+  // Values held as 4-bit indices into these levels (+ 128; FormatTraits::levels_of), or as the format's.
+  alignas(16) std::array<int8_t, kLevels> levels{};
+  bool indexed = false;
 
-  // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them.
-  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false);
+  // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them;
+  // levels: hold the values as 4-bit indices into them.
+  void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false,
+                const std::optional<std::array<int8_t, kLevels>>& levels = std::nullopt);
   // Zero points for every expert from now on; those packed so far get zero points of 0 (their
   // weights unchanged): experts loaded in several calls, some with zero points, some without.
   void add_zero_points(const FormatTraits& format, int experts);
@@ -66,6 +73,13 @@ struct ExpertWeights {
 inline const float* bias_row(const std::vector<float>& bias, int slot, int rows) {
   return bias.empty() ? nullptr : bias.data() + size_t(slot) * packed_groups(rows) * kGroupRows;
 }
+
+// The levels `count` canonical values of `src` may be held as indices into, where the format may
+// index its values (FormatTraits::levels_of); nullopt: as the format stores them.
+std::optional<std::array<int8_t, kLevels>> value_levels(const FormatTraits& format, const SourceProjection& src,
+                                                         size_t count);
+// Whether each of `count` canonical values of `src` is one of dst's levels (a later part of a load).
+bool within_levels(const PackedProjection& dst, const SourceProjection& src, size_t count);
 
 // Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert);

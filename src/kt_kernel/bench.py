@@ -145,10 +145,10 @@ def torch_format(fmt: str) -> str:
     return fmt if fmt in TORCH_BASELINES else "bf16"
 
 
-#: The groups of the GGUF rows: Q4_K_M's mix (gate and up Q4_K, groups of 32; down Q6_K, groups of
-#: 16). Every ggml type is held as int8 values with groups of 32 or 16 (kt_kernel.gguf_blocks), so
-#: each runs as fast as these groups do.
-GGUF_BENCH_GROUPS = {"gate": 32, "up": 32, "down": 16}
+#: The GGUF rows, (group, bits) per projection: Q4_K_M's mix, gate and up as Q4_K (4-bit values per
+#: 32 inputs: held as 4-bit indices), down as Q6_K (6-bit values per 16: held as bytes). ``gguf:G``
+#: is 8-bit values per G inputs (Q8_0's kind). Every ggml type runs as one of these kinds.
+GGUF_BENCH_LAYOUT = {"gate": (32, 4), "up": (32, 4), "down": (16, 6)}
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -174,34 +174,63 @@ def bench_format(text: str) -> str:
     return text.lower()
 
 
+def gguf_layout(fmt: str, projection: str) -> tuple[int, int] | None:
+    """(group, bits) of a GGUF entry's projection (GGUF_BENCH_LAYOUT, or ``gguf:G``); None for others."""
+    if format_of(fmt) is not formats.GGUF:
+        return None
+    return (int(fmt.split(":")[1]), 8) if ":" in fmt else GGUF_BENCH_LAYOUT[projection]
+
+
 def bench_group(fmt: str, projection: str) -> int | None:
-    """The group size the bench quantizes a projection with: ``name:G``'s G, GGUF's Q4_K_M mix, or
-    None (the format's default)."""
-    if ":" in fmt:
-        return int(fmt.split(":")[1])
-    return GGUF_BENCH_GROUPS[projection] if format_of(fmt) is formats.GGUF else None
+    """The group size the bench quantizes a projection with: ``name:G``'s G, GGUF's layout, or None
+    (the format's default)."""
+    layout = gguf_layout(fmt, projection)
+    if layout is not None:
+        return layout[0]
+    return int(fmt.split(":")[1]) if ":" in fmt else None
+
+
+def gguf_bench_tensor(weight, group: int, bits: int):
+    """A float weight [..., N, K] as a ggml type of ``bits``-bit values would hold it, canonical GGUF:
+    per group of inputs the scale max |w| / (2^(bits-1) - 1), min 0 (the kernels add the min all the
+    same); values of 16 levels or fewer are held as 4-bit indices."""
+    import torch
+
+    top = 2 ** (bits - 1) - 1
+    blocks = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
+    scale = blocks.abs().amax(dim=-1) / top
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[..., None]).clamp(-top - 1, top).to(torch.int8).reshape(weight.shape)
+    return q, torch.stack([scale, torch.zeros_like(scale)], dim=-1).reshape(*scale.shape[:-1], -1)
 
 
 def weight_bytes(fmt: str) -> float:
     """Bytes per weight, scales included, over the three projections (of one size each): group scales
     at the bench's group (the largest, the one quantize-on-load picks for every shape here, but
-    GGUF's and a given G), a scale per row counted as negligible."""
+    GGUF's and a given G), a scale per row counted as negligible; GGUF's values of 4 bits or fewer
+    take half a byte."""
     f = format_of(fmt)
     if not f.group_scales:
         return f.value_bits / 8
-    groups = [bench_group(fmt, p) or max(f.scale_groups) for p in PROJECTIONS]
-    return f.value_bits / 8 + sum(f.scales_per_group * f.scale_bytes / g for g in groups) / len(groups)
+    total = 0.0
+    for p in PROJECTIONS:
+        layout = gguf_layout(fmt, p)
+        value_bytes = f.value_bits / 8 if layout is None or layout[1] > 4 else 0.5
+        group = bench_group(fmt, p) or max(f.scale_groups)
+        total += value_bytes + f.scales_per_group * f.scale_bytes / group
+    return total / len(PROJECTIONS)
 
 
 def load_bench_weights(moe, fmt: str, gate, up, down) -> None:
-    """Float weights quantized on load, or in the bench's groups (GGUF, name:G)."""
+    """Float weights quantized on load, or in the bench's groups and bits (GGUF, name:G)."""
     f = format_of(fmt)
     if bench_group(fmt, "gate") is None:
         moe.load_weights_from_tensors(gate, up, down)
         return
-    quantized = {
-        p: f.quantize(w, bench_group(fmt, p)) for p, w in zip(PROJECTIONS, (gate, up, down), strict=True)
-    }
+    quantized = {}
+    for p, w in zip(PROJECTIONS, (gate, up, down), strict=True):
+        layout = gguf_layout(fmt, p)
+        quantized[p] = gguf_bench_tensor(w, *layout) if layout else f.quantize(w, bench_group(fmt, p))
     moe.load_weights_from_tensors(
         *(quantized[p][0] for p in PROJECTIONS), **{f"{p}_scale": quantized[p][1] for p in PROJECTIONS}
     )

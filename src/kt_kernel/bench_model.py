@@ -25,6 +25,8 @@ from .bench import (
     build_label,
     call_inputs,
     format_of,
+    gguf_bench_tensor,
+    gguf_layout,
     opt,
     progress,
     random_weights,
@@ -96,7 +98,13 @@ def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
     for name, rows, k in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
         values = f.random_values((experts, rows, f.canonical_bytes(k)), gen)
         row = torch.empty(1, k).uniform_(-1, 1, generator=gen) * (3 / k) ** 0.5
-        _, scale = f.quantize(row, bench_group(fmt, name))
+        layout = gguf_layout(fmt, name)
+        if layout is not None:  # values of the layout's bits (4: held as indices)
+            top = 2 ** (layout[1] - 1)
+            values = torch.randint(-top, top, (experts, rows, k), generator=gen, dtype=torch.int8)
+            _, scale = gguf_bench_tensor(row, *layout)
+        else:
+            _, scale = f.quantize(row, bench_group(fmt, name))
         tensors[f"{name}_proj"] = values.view(f.value_dtypes[0])
         tensors[f"{name}_scale"] = scale.expand(experts, rows, *scale.shape[1:]).contiguous()
     return tensors

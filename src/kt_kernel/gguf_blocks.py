@@ -34,12 +34,14 @@ Converted = tuple[np.ndarray, np.ndarray]  # int8 [M, block_inputs], float32 [M,
 @dataclass(frozen=True)
 class BlockType:
     """One ggml type: its block (inputs and bytes, as ggml's GGML_QUANT_SIZES), the inputs per
-    (scale, min) pair, and the function from blocks to (values, pairs)."""
+    (scale, min) pair, the function from blocks to (values, pairs), and the bits the engine holds
+    a value in (4 where the values are at most 16 levels: the engine indexes them)."""
 
     block_inputs: int
     block_bytes: int
     group: int
     convert: Callable[[Blocks], Converted]
+    held_bits: int = 8
 
 
 def _f16(field: np.ndarray) -> np.ndarray:
@@ -203,19 +205,19 @@ def _nvfp4(blocks: Blocks) -> Converted:
 #: The supported ggml types by name (gguf.GGMLQuantizationType's names). Blocks as ggml defines them.
 BLOCK_TYPES: dict[str, BlockType] = {
     "Q8_0": BlockType(32, 34, 32, _q8_0),
-    "Q4_0": BlockType(32, 18, 32, _q4_0),
-    "Q4_1": BlockType(32, 20, 32, _q4_1),
+    "Q4_0": BlockType(32, 18, 32, _q4_0, held_bits=4),
+    "Q4_1": BlockType(32, 20, 32, _q4_1, held_bits=4),
     "Q5_0": BlockType(32, 22, 32, _q5_0),
     "Q5_1": BlockType(32, 24, 32, _q5_1),
-    "Q2_K": BlockType(256, 84, 16, _q2_k),
-    "Q3_K": BlockType(256, 110, 16, _q3_k),
-    "Q4_K": BlockType(256, 144, 32, _q4_k),
+    "Q2_K": BlockType(256, 84, 16, _q2_k, held_bits=4),
+    "Q3_K": BlockType(256, 110, 16, _q3_k, held_bits=4),
+    "Q4_K": BlockType(256, 144, 32, _q4_k, held_bits=4),
     "Q5_K": BlockType(256, 176, 32, _q5_k),
     "Q6_K": BlockType(256, 210, 16, _q6_k),
-    "IQ4_NL": BlockType(32, 18, 32, _iq4_nl),
-    "IQ4_XS": BlockType(256, 136, 32, _iq4_xs),
-    "MXFP4": BlockType(32, 17, 32, _mxfp4),
-    "NVFP4": BlockType(64, 36, 16, _nvfp4),
+    "IQ4_NL": BlockType(32, 18, 32, _iq4_nl, held_bits=4),
+    "IQ4_XS": BlockType(256, 136, 32, _iq4_xs, held_bits=4),
+    "MXFP4": BlockType(32, 17, 32, _mxfp4, held_bits=4),
+    "NVFP4": BlockType(64, 36, 16, _nvfp4, held_bits=4),
 }
 
 #: Blocks converted at a time: the temporaries stay a few MiB.
