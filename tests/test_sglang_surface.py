@@ -278,7 +278,13 @@ def test_write_back_is_bit_exact(method, pools, tp):
 
 @pytest.mark.parametrize(
     "method,inter,tp,down_group",
-    [("MXFP4", 192, 3, None), ("INT4", 384, 2, 64), ("INT4", 384, 6, 32), ("BF16", 80, 5, None)],
+    [
+        ("MXFP4", 192, 3, None),
+        ("INT4", 384, 2, 64),
+        ("INT4", 384, 6, 32),
+        ("BF16", 80, 5, None),
+        ("GGUF", 192, 3, 16),  # (scale, min) pairs, groups of 16 in down
+    ],
 )
 def test_write_back_of_given_canonical_weights(method, inter, tp, down_group):
     """Weights given with scales come back as given, also where tp parts straddle subpool cuts."""
