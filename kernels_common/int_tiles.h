@@ -370,15 +370,16 @@ struct IntTiles {
                 for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
           } while ((c += kLinesPerPartial) < (s + 1) * lines_per_scale);
           KT_UNROLL
-          for (int i = 0; i < M; ++i)
+          for (int i = 0; i < M; ++i) {
+            // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32 (GGUF's mins).
+            const Float start = V::set1_ps(float(x[i].group_starts[s]));
             for (int v = 0; v < kVecs; ++v) {
               Int sum = part[i][0][v];
               if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);
               acc[i][v] = V::fmadd(V::to_float(sum), four_bit_scale(w, v, s), acc[i][v]);
-              // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32.
-              if constexpr (FourBit::kMins)
-                acc[i][v] = V::fmadd(V::set1_ps(float(x[i].group_starts[s])), four_bit_min(w, v, s), acc[i][v]);
+              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, four_bit_min(w, v, s), acc[i][v]);
             }
+          }
         }
         KT_UNROLL
         for (int i = 0; i < M; ++i) {

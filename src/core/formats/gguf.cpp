@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "formats.h"
-#include "int8_rows.h"
+#include "packed_positions.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -65,11 +65,6 @@ void pack(const uint8_t* values, const uint8_t* scale_bytes, int rows, int k, in
       pack_int8_row(q + (size_t(g) * kGroupRows + r) * k, k, r, group);
   }
 }
-
-// Where input c of row r lies in an indexed group (the INT4 layout: inputs 8c'..8c'+3 in the low
-// nibbles of a row's word, 8c'+4..8c'+7 in the high ones), and its shift.
-size_t nibble_position(int c, int r) { return size_t(c / 8) * 64 + 4 * r + c % 4; }
-int nibble_shift(int c) { return 4 * ((c % 8) / 4); }
 
 void pack_indexed(const uint8_t* values, const uint8_t* scale_bytes, int rows, int k, int scale_group,
                   const int8_t* levels, uint8_t* packed, uint8_t* packed_scales) {

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "formats.h"
+#include "packed_positions.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -26,8 +27,8 @@ void pack(const uint8_t* q, const uint8_t* scale_bytes, int rows, int k, int sca
       for (int c = 0; c < k; ++c) {
         const int nibble = (q[row * (k / 2) + c / 2] >> (4 * (c % 2))) & 0xF;
         const int offset_value = (nibble ^ 8);  // two's complement -8..7 -> 0..15 = q + 8
-        uint8_t& byte = lines[(c / 8) * 64 + 4 * r + c % 4];
-        const int shift = 4 * ((c % 8) / 4);  // inputs 8c+4..8c+7 in the high nibbles
+        uint8_t& byte = lines[nibble_position(c, r)];
+        const int shift = nibble_shift(c);
         byte = uint8_t((byte & ~(0xF << shift)) | offset_value << shift);
       }
     }
@@ -53,7 +54,7 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
     const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
     const uint8_t* group_scales = w.scales + size_t(row / kGroupRows) * w.group_scale_bytes;
     auto nibble = [&](int k) {  // two's complement, as canonical bytes hold it; stored as q + 8
-      return ((group[(k / 8) * 64 + 4 * r + k % 4] >> (4 * ((k % 8) / 4))) & 0xF) ^ kInt4Offset;
+      return ((group[nibble_position(k, r)] >> nibble_shift(k)) & 0xF) ^ kInt4Offset;
     };
     uint8_t* dst = region.values + i * region.values_stride;
     for (int j = 0; j < region.cols / 2; ++j) {

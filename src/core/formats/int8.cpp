@@ -2,7 +2,7 @@
 #include <cstring>
 
 #include "formats.h"
-#include "int8_rows.h"
+#include "packed_positions.h"
 
 KT_NAMESPACE_BEGIN
 namespace {

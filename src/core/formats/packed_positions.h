@@ -1,4 +1,5 @@
-// Rows of int8 values in the INT8 layout (kernels.h), stored as q + 128: INT8's and GGUF's values.
+// Where the packed layouts of kernels.h put an input of a 16-row group: the INT8 layout's bytes (INT8's
+// and GGUF's values, stored as q + 128) and the INT4 layout's nibbles (INT4's values, GGUF's indices).
 #pragma once
 
 #include "kernels.h"
@@ -7,6 +8,11 @@ KT_NAMESPACE_BEGIN
 
 // Where input c of row r lies in its 16-row group.
 inline size_t int8_position(int c, int r) { return size_t(c / 4) * 64 + 4 * r + c % 4; }
+
+// The byte holding input c of row r in the INT4 layout, and the shift of its nibble there (inputs
+// 8j..8j+3 in a row word's low nibbles, 8j+4..8j+7 in its high ones).
+inline size_t nibble_position(int c, int r) { return size_t(c / 8) * 64 + 4 * r + c % 4; }
+inline int nibble_shift(int c) { return 4 * ((c % 8) / 4); }
 
 inline void pack_int8_row(const int8_t* q, int k, int r, uint8_t* group) {
   for (int c = 0; c < k; ++c) group[int8_position(c, r)] = uint8_t(q[c] + kInt8Offset);
