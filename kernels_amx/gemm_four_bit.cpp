@@ -77,7 +77,7 @@ void gemm_int4_on_int8_tiles(const Activations& x, const PackedGroups& w, float*
           V::Float scale[kBlockGroups];
           V::Int zero_points[kBlockGroups];
           for (int h = 0; h < kBlockGroups; ++h) {
-            scale[h] = Int4::scale(w.scales + (g + h) * w.group_scale_bytes, s, 0);
+            scale[h] = Int4::scale(w, w.scales + (g + h) * w.group_scale_bytes, s, 0);
             zero_points[h] = w.zeros != nullptr
                                  ? V::load(w.zeros + (g + h) * w.group_zero_bytes + size_t(s) * kGroupRows * 4)
                                  : V::set1(Int4::kOffset);

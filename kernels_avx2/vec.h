@@ -93,6 +93,10 @@ struct Vec {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table))),
                                indices);
   }
+  // kLanes int8 -> fp32.
+  static Float int8_to_float(const int8_t* values) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values))));
+  }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))), 23);

@@ -75,6 +75,10 @@ struct Vec {
   static Int lookup16(const int8_t* table, Int indices) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table))), indices);
   }
+  // kLanes int8 -> fp32.
+  static Float int8_to_float(const int8_t* values) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
+  }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
     return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(bytes, 23), _mm512_set1_epi32(kE8M0ZeroBits)));

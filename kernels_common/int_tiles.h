@@ -50,7 +50,7 @@ struct Int4Format {
     return V::and_(bytes, low_nibbles);
   }
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
-  static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
+  static typename V::Float scale(const PackedGroups&, const uint8_t* group_scales, int s, int first_row) {
     return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGroupRows + first_row);
   }
 };
@@ -70,26 +70,36 @@ struct Mxfp4Format {
     return V::lookup16(kValues, V::and_(bytes, low_nibbles));
   }
   static int inputs_per_scale(const PackedGroups&) { return kMxfp4Block; }
-  static typename V::Float scale(const uint8_t* group_scales, int block, int first_row) {
+  static typename V::Float scale(const PackedGroups&, const uint8_t* group_scales, int block, int first_row) {
     return V::e8m0_to_float(group_scales + block * kGroupRows + first_row);
   }
 };
 
 // GGUF: int8 values stored as q + 128 in the INT8 layout (a line is a quad, two lines an octet), a
-// scale and a min per G = 16 or 32 inputs (kernels.h). Never on vpmaddubsw: byte weights would
-// saturate its int16 sums.
+// scale and a min per G = 16 or 32 inputs, fp32 or factored (kernels.h). Never on vpmaddubsw: byte
+// weights would saturate its int16 sums.
 template <class V>
 struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
   static constexpr float kValueScale = 1.0f;
   static constexpr bool kByteValues = true, kIndexed = false, kMins = true;
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
-  static typename V::Float scale(const uint8_t* group_scales, int s, int first_row) {
-    return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGgufPairFloats + first_row);
+  static typename V::Float scale(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
+    return entry(w, group_scales, s, 0, first_row);
   }
-  // -min / 128, which times the group's start (-128 * sum(x)) is min * sum(x).
-  static typename V::Float min(const uint8_t* group_scales, int s, int first_row) {
-    return V::load_ps(reinterpret_cast<const float*>(group_scales) + s * kGgufPairFloats + kGroupRows + first_row);
+  // -min / 128, which times the group's start (-128 * sum(x)) is min * sum(x); 0 without mins.
+  static typename V::Float min(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
+    return w.mins ? entry(w, group_scales, s, 1, first_row) : V::set1_ps(0.0f);
+  }
+  // Entry `entry` (0: scales, 1: mins) of scale group s, kLanes rows from first_row.
+  static typename V::Float entry(const PackedGroups& w, const uint8_t* group_scales, int s, int entry, int first_row) {
+    const int entries = gguf_entries(w.mins);
+    const float* floats = reinterpret_cast<const float*>(group_scales);
+    if (!w.factored_scales) return V::load_ps(floats + (s * entries + entry) * kGroupRows + first_row);
+    const int block = s * w.scale_group / kGgufBlockInputs;
+    const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
+    return V::mul(V::int8_to_float(multiples + (s * entries + entry) * kGroupRows + first_row),
+                  V::load_ps(floats + (block * entries + entry) * kGroupRows + first_row));
   }
 };
 
@@ -223,10 +233,10 @@ struct IntTiles {
            (size_t(s) * kGroupRows + (v % kVecsPerGroup) * V::kLanes) * sizeof(int32_t);
   }
   static Float four_bit_scale(const PackedGroups& w, int v, int s) {
-    return FourBit::scale(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
+    return FourBit::scale(w, w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
   }
   static Float four_bit_min(const PackedGroups& w, int v, int s) {
-    return FourBit::min(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
+    return FourBit::min(w, w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
   }
 
   // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)), the sum taken in int32
@@ -369,6 +379,11 @@ struct IntTiles {
               for (int p = 0; p < P; ++p)
                 for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
           } while ((c += kLinesPerPartial) < (s + 1) * lines_per_scale);
+          Float scales[kVecs], mins[kVecs];  // once per group, for every token (GGUF's may be factored)
+          for (int v = 0; v < kVecs; ++v) {
+            scales[v] = four_bit_scale(w, v, s);
+            if constexpr (FourBit::kMins) mins[v] = four_bit_min(w, v, s);
+          }
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
             // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32 (GGUF's mins).
@@ -376,8 +391,8 @@ struct IntTiles {
             for (int v = 0; v < kVecs; ++v) {
               Int sum = part[i][0][v];
               if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);
-              acc[i][v] = V::fmadd(V::to_float(sum), four_bit_scale(w, v, s), acc[i][v]);
-              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, four_bit_min(w, v, s), acc[i][v]);
+              acc[i][v] = V::fmadd(V::to_float(sum), scales[v], acc[i][v]);
+              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, mins[v], acc[i][v]);
             }
           }
         }

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kt_kernel.__main__ import main as kt_main
 from kt_kernel.formats import FORMATS
@@ -195,8 +196,9 @@ def test_formats_with_a_group_size(tmp_path):
     from kt_kernel import bench
 
     assert bench.weight_bytes("fp8:16") == 1 + 4 / 16 and bench.weight_bytes("int4:32") == 0.5 + 4 / 32
-    assert bench.weight_bytes("gguf") == (2 * (0.5 + 8 / 32) + 1 + 8 / 16) / 3  # Q4_K_M's mix
-    assert bench.weight_bytes("gguf:16") == 1 + 8 / 16
+    q4_k, q6_k = 0.5 + 2 * (1 / 32 + 4 / 256), 1 + 1 / 16 + 4 / 256  # factored scales; Q6_K: no mins
+    assert bench.weight_bytes("gguf") == (2 * q4_k + q6_k) / 3  # Q4_K_M's mix
+    assert bench.weight_bytes("gguf:16") == 1 + 4 / 16
     out = tmp_path / "bench.json"
     result = run_bench("--shape", "tiny", "--tokens", "1", "--calls", "3", "--no-torch", "--json", str(out),
                        "--format", "fp8:16", "fp8:32", "int4:32", "gguf")  # fmt: skip
@@ -219,3 +221,21 @@ def test_format_entries_outside_the_registry_are_refused(entry, capsys):
         kt_main(["bench", "--format", entry])
     assert exit_info.value.code == 2
     assert repr(entry) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "gguf:32"])
+def test_gguf_rows_are_held_in_the_bytes_the_bench_counts(fmt):
+    """The bench's GGUF weights, in both modes, are held as its figures assume (weight_bytes): Q4_K_M's
+    scales factored and Q6_K's without mins, or fp32 scales."""
+    from kt_kernel import bench, bench_model
+
+    from moe_reference import moe_wrapper
+
+    experts, top_k, hidden, inter = bench.SHAPES["tiny"]
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+    layer, model = (moe_wrapper(experts, top_k, hidden, inter, method="GGUF") for _ in range(2))
+    bench.load_bench_weights(layer, fmt, *(torch.randn(experts, *shape) * 0.05 for shape in shapes))
+    model.load_weights_from_tensors(**bench_model.canonical_weights("tiny", fmt, seed=0))
+    expected = bench.weight_bytes(fmt) * 3 * experts * hidden * inter
+    for moe in (layer, model):
+        assert sum(sp.engine.packed_bytes() for sp in moe._subpools) == pytest.approx(expected, rel=0.01)

@@ -14,6 +14,7 @@ from test_accuracy import BOUND, activations, reference, relative_error, routing
 gguf = pytest.importorskip("gguf")
 
 from test_gguf_file import FP16_FIELDS, KNOWN_TYPES, random_blocks, write_layer  # noqa: E402
+from test_gguf_kernels import held_bytes  # noqa: E402
 
 from kt_kernel.gguf_blocks import BLOCK_TYPES  # noqa: E402
 
@@ -47,12 +48,20 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
     moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
     moe.load_weights()
-    # Held as BLOCK_TYPES says: 4-bit indices or bytes, and a float32 (scale, min) per group.
-    held = sum(
-        rows * k * (BLOCK_TYPES[types[name]].held_bits / 8 + 8 / BLOCK_TYPES[types[name]].group)
-        for name, (rows, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
-    )
-    assert sum(sp.engine.packed_bytes() for sp in moe._subpools) == EXPERTS * held
+    # Held as BLOCK_TYPES says: 4-bit indices or bytes, scales factored or fp32, mins where it has them.
+    held = []
+    for factored in (False, True):
+        total = 0
+        for name, (rows, k) in (
+            ("gate", (inter, hidden)),
+            ("up", (inter, hidden)),
+            ("down", (hidden, inter)),
+        ):
+            block = BLOCK_TYPES[types[name]]
+            as_type = block.factored if block.factored is not None else factored
+            total += held_bytes(rows, k, block.group, block.held_bits == 4, as_type, block.mins)
+        held.append(EXPERTS * total)
+    assert sum(sp.engine.packed_bytes() for sp in moe._subpools) in held
     x = activations(tokens, hidden, 100)
     ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)
     exact = [torch.from_numpy(decoded[name]).double() for name in ("gate", "up", "down")]

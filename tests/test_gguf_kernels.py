@@ -17,17 +17,41 @@ EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 256, 96
 
 
 def gguf_tensor(
-    experts: int, rows: int, k: int, group: int, g: torch.Generator, mins: bool = True
+    experts: int, rows: int, k: int, group: int, g: torch.Generator, mins: bool = True, factored: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random values [E, rows, k] (-128..127) and (scale, min) pairs [E, rows, 2k/group]: the
     scales spread over 2^-4..2^4 of 2^-10 per row, the mins up to 40 scales either way (a K-quant's
-    min can be as large as its values' range)."""
+    min can be as large as its values' range). Factored: as the K-quants store them, every scale
+    and min an int8 multiple of one fp16 per 256 inputs (the engine then holds them so)."""
     values = torch.randint(-128, 128, (experts, rows, k), generator=g, dtype=torch.int8)
     shape = (experts, rows, k // group)
-    exponent = torch.randint(-14, -5, shape, generator=g).float()
-    scale = torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))
-    minimum = scale * 40 * (2 * torch.rand(shape, generator=g) - 1) if mins else torch.zeros(shape)
+    if factored:
+        per_block = 256 // group
+        unit = (
+            torch.exp2(torch.randint(-14, -9, (experts, rows, -(-k // 256)), generator=g).float()) * 1.3
+        ).half()
+        unit = unit.float().repeat_interleave(per_block, dim=-1)[..., : k // group]
+        scale = unit * torch.randint(-128, 128, shape, generator=g)
+        min_unit = (unit * 0.3).half().float()
+        minimum = min_unit * torch.randint(-128, 128, shape, generator=g) if mins else torch.zeros(shape)
+    else:
+        exponent = torch.randint(-14, -5, shape, generator=g).float()
+        scale = torch.exp2(exponent) * (1 + torch.rand(shape, generator=g))
+        minimum = scale * 40 * (2 * torch.rand(shape, generator=g) - 1) if mins else torch.zeros(shape)
     return values, torch.stack([scale, minimum], dim=-1).reshape(experts, rows, -1)
+
+
+def held_bytes(rows: int, k: int, group: int, indexed: bool, factored: bool, mins: bool) -> int:
+    """The bytes of one packed matrix as src/core/kernels.h lays GGUF out, per 16-row group: the
+    values (4-bit indices or bytes), then entries of 16 rows' scales (and mins): fp32 per scale
+    group, or factored: fp32 per 256 inputs and int8 per scale group, rounded up to 64 bytes."""
+    entries = 2 if mins else 1
+    values = 16 * k // (2 if indexed else 1)
+    if factored:
+        scales = -(-(-(-k // 256) * entries * 16 * 4 + k // group * entries * 16) // 64) * 64
+    else:
+        scales = k // group * entries * 16 * 4
+    return -(-rows // 16) * (values + scales)
 
 
 def decoded(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -37,12 +61,12 @@ def decoded(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     return (blocks * pairs[..., :1] + pairs[..., 1:]).reshape(values.shape)
 
 
-def problem(groups: tuple[int, int], mins: bool, seed: int = 0):
+def problem(groups: tuple[int, int], mins: bool, seed: int = 0, factored: bool = False):
     g = torch.Generator().manual_seed(seed)
     gate_up_group, down_group = groups
-    gate = gguf_tensor(EXPERTS, INTER, HIDDEN, gate_up_group, g, mins)
-    up = gguf_tensor(EXPERTS, INTER, HIDDEN, gate_up_group, g, mins)
-    down = gguf_tensor(EXPERTS, HIDDEN, INTER, down_group, g, mins)
+    gate = gguf_tensor(EXPERTS, INTER, HIDDEN, gate_up_group, g, mins, factored)
+    up = gguf_tensor(EXPERTS, INTER, HIDDEN, gate_up_group, g, mins, factored)
+    down = gguf_tensor(EXPERTS, HIDDEN, INTER, down_group, g, mins, factored)
     return gate, up, down
 
 
@@ -64,9 +88,10 @@ def error_of(gate, up, down, tokens: int) -> float:
 
 @pytest.mark.parametrize("groups", [(32, 16), (16, 32), (32, 32)], ids=["32-16", "16-32", "32-32"])
 @pytest.mark.parametrize("mins", [True, False], ids=["mins", "no-mins"])
+@pytest.mark.parametrize("factored", [False, True], ids=["fp32-scales", "factored"])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_within_half_a_percent_of_fp64_on_the_stored_weights(groups, mins, tokens):
-    error = error_of(*problem(groups, mins), tokens)
+def test_within_half_a_percent_of_fp64_on_the_stored_weights(groups, mins, factored, tokens):
+    error = error_of(*problem(groups, mins, factored=factored), tokens)
     assert error < BOUND, f"relative error {error:.4%}"
 
 
@@ -146,6 +171,12 @@ def engine_bytes(gate, up, down) -> int:
     return engine.packed_bytes()
 
 
+def expected_bytes(groups: tuple[int, int], indexed: bool, factored: bool, mins: bool) -> int:
+    """An engine's bytes (held_bytes) where gate and up are held alike and down as bytes."""
+    gate_up = held_bytes(INTER, HIDDEN, groups[0], indexed, factored, mins)
+    return EXPERTS * (2 * gate_up + held_bytes(HIDDEN, INTER, groups[1], False, factored, mins))
+
+
 @pytest.mark.parametrize("levels", LEVELS)
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_values_of_16_levels_are_held_as_4_bit_indices(levels, tokens):
@@ -156,58 +187,97 @@ def test_values_of_16_levels_are_held_as_4_bit_indices(levels, tokens):
     gate, up = on_levels(gate, LEVELS[levels], g), on_levels(up, LEVELS[levels], g)
     error = error_of(gate, up, down, tokens)
     assert error < BOUND, f"relative error {error:.4%}"
-    indexed, as_bytes = engine_bytes(gate, up, down), engine_bytes(*problem((32, 16), True, seed=5))
-    assert as_bytes - indexed == 2 * EXPERTS * INTER * HIDDEN // 2  # gate and up: 4 bits a value fewer
+    assert engine_bytes(gate, up, down) == expected_bytes((32, 16), True, False, True)
+    assert engine_bytes(*problem((32, 16), True, seed=5)) == expected_bytes((32, 16), False, False, True)
 
 
-def test_a_part_with_values_outside_the_levels_of_the_first_is_refused():
-    """A load in parts (load_weights) holds a projection as indices into the first part's levels: a
-    later part with other values is refused, and the layer completes with values that fit."""
+@pytest.mark.parametrize("groups", [(32, 16), (16, 32)], ids=["32-16", "16-32"])
+@pytest.mark.parametrize("mins", [True, False], ids=["mins", "no-mins"])
+@pytest.mark.parametrize("factored", [False, True], ids=["fp32-scales", "factored"])
+def test_scales_are_factored_and_mins_left_out_where_the_data_allows(groups, mins, factored):
+    """Scales that are int8 multiples of one float per 256 inputs (the K-quants') are held so, and
+    mins that are all 0 are not held: fewer bytes, the same canonical tensors back (exactly)."""
+    tensors = problem(groups, mins, seed=8, factored=factored)
+    assert engine_bytes(*tensors) == expected_bytes(groups, False, factored, mins)
+    for name in ("gate", "down"):
+        values, pairs = tensors[("gate", "up", "down").index(name)]
+        assert torch.equal(unpacked(tensors, name, 0, values.shape[-1])[1], pairs[3, 16:32])
+    if factored:  # one scale in one block off the grid of its block: every scale held as fp32
+        gate, pairs = tensors[0]
+        off = pairs.clone()
+        off[0, 0, 0] *= 1 + 2.0**-20
+        assert engine_bytes((gate, off), *tensors[1:]) == expected_bytes(
+            groups, False, factored, mins
+        ) + EXPERTS * (
+            held_bytes(INTER, HIDDEN, groups[0], False, False, mins)
+            - held_bytes(INTER, HIDDEN, groups[0], False, True, mins)
+        )
+
+
+def unpacked(tensors, name: str, k0: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows 16..31 of expert 3's `name` projection, inputs [k0, k0 + cols), as MoEEngine.unpack
+    gives them back (what the GPU write-back reads): values and (scale, min) pairs."""
+    from kt_kernel._native import ext
+
+    gate, up, down = tensors
+    engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    engine.load(gate[0], gate[1], up[0], up[1], down[0], down[1], torch.arange(EXPERTS))
+    values, pairs = tensors[("gate", "up", "down").index(name)]
+    group = 2 * values.shape[-1] // pairs.shape[-1]
+    out_values = torch.empty(16, cols, dtype=torch.int8)
+    out_pairs = torch.empty(16, 2 * cols // group)
+    engine.unpack(
+        name, 3, 16, 16, k0, cols, out_values.data_ptr(), cols, out_pairs.data_ptr(), out_pairs.shape[1] * 4
+    )
+    return out_values, out_pairs
+
+
+def first_part_then(engine, tensors, later) -> None:
+    """Loads the first half of the experts from `tensors`, then the rest from `later`."""
+    first, rest = torch.arange(EXPERTS) < EXPERTS // 2, torch.arange(EXPERTS) >= EXPERTS // 2
+    engine.load(*tensors, torch.where(first, torch.arange(EXPERTS), -1))
+    engine.load(*later, torch.where(rest, torch.arange(EXPERTS), -1))
+
+
+@pytest.mark.parametrize("misfit", ["value off the levels", "scale off the factors", "a min where none were"])
+def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_refused(misfit):
+    """A load in parts (load_weights) holds a projection as the first part's data allows: a later
+    part that does not fit (another value, a scale off the grid, a min) is refused, and the layer
+    completes with a part that fits."""
     from kt_kernel._native import ext
 
     g = torch.Generator().manual_seed(6)
-    tensors = [t for p in problem((32, 32), True, seed=6) for t in on_levels(p, LEVELS["0..15"], g)]
+    mins = misfit != "a min where none were"
+    tensors = [
+        t for p in problem((32, 32), mins, seed=6, factored=True) for t in on_levels(p, LEVELS["0..15"], g)
+    ]
+    other = [t.clone() for t in tensors]
+    if misfit == "value off the levels":
+        other[0][EXPERTS - 1, 0, 0] = -1  # not one of 0..15
+    elif misfit == "scale off the factors":
+        other[1][EXPERTS - 1, 0, 0] *= 1 + 2.0**-20
+    else:
+        other[1][EXPERTS - 1, 0, 1] = 1.0
     engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
-    first, rest = torch.arange(EXPERTS) < EXPERTS // 2, torch.arange(EXPERTS) >= EXPERTS // 2
-    engine.load(*tensors, torch.where(first, torch.arange(EXPERTS), -1))
-    other = list(tensors)
-    other[0] = other[0].clone()
-    other[0][EXPERTS - 1, 0, 0] = -1  # not one of 0..15
-    with pytest.raises(ValueError, match="only values the parts before it hold"):
-        engine.load(*other, torch.where(rest, torch.arange(EXPERTS), -1))
-    engine.load(*tensors, torch.where(rest, torch.arange(EXPERTS), -1))
-    assert (
-        engine.packed_bytes()
-        == engine_bytes(*problem((32, 32), True, seed=6)) - 3 * EXPERTS * INTER * HIDDEN // 2
+    with pytest.raises(ValueError, match="must fit how the parts before it are held"):
+        first_part_then(engine, tensors, other)
+    first_part_then(engine, tensors, tensors)
+    assert engine.packed_bytes() == EXPERTS * (
+        2 * held_bytes(INTER, HIDDEN, 32, True, True, mins) + held_bytes(HIDDEN, INTER, 32, True, True, mins)
     )
 
 
+@pytest.mark.parametrize("factored", [False, True], ids=["fp32-scales", "factored"])
 @pytest.mark.parametrize("levels", ["iq4", "-8..7"])
-def test_unpack_gives_back_the_canonical_tensors(levels):
+def test_unpack_gives_back_the_canonical_tensors(levels, factored):
     """What the GPU write-back reads (MoEEngine.unpack): values and (scale, min) pairs as loaded, from
-    4-bit indices and from bytes alike."""
-    from kt_kernel._native import ext
-
+    4-bit indices and from bytes, fp32 and factored scales alike."""
     g = torch.Generator().manual_seed(7)
-    gate, up, down = problem((32, 16), True, seed=7)
-    gate = on_levels(gate, LEVELS[levels], g)  # indices; up and down stay bytes
-    engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
-    engine.load(gate[0], gate[1], up[0], up[1], down[0], down[1], torch.arange(EXPERTS))
-    for name, (values, pairs), k0, cols in (("gate", gate, 64, 128), ("down", down, 32, 64)):
-        out_values = torch.empty(16, cols, dtype=torch.int8)
-        out_pairs = torch.empty(16, 2 * cols // (2 * values.shape[-1] // pairs.shape[-1]))
-        engine.unpack(
-            name,
-            3,
-            16,
-            16,
-            k0,
-            cols,
-            out_values.data_ptr(),
-            cols,
-            out_pairs.data_ptr(),
-            out_pairs.shape[1] * 4,
-        )
+    gate, up, down = problem((32, 16), True, seed=7, factored=factored)
+    tensors = (on_levels(gate, LEVELS[levels], g), up, down)  # indices; up and down stay bytes
+    for name, k0, cols in (("gate", 64, 128), ("down", 32, 64)):
+        values, pairs = tensors[("gate", "up", "down").index(name)]
         group = 2 * values.shape[-1] // pairs.shape[-1]
+        out_values, out_pairs = unpacked(tensors, name, k0, cols)
         assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
         assert torch.equal(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])

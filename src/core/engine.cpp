@@ -151,17 +151,17 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
                            w.down.scale_group == down.scale_group;
   require(every_slot || !earlier_parts || same_layout,
           "a part of a load must have the scale groups of the parts before it (the experts of a layer share them)");
-  const size_t gate_values = size_t(num_sources) * I * H, down_values = size_t(num_sources) * H * I;
   if (every_slot || !earlier_parts) {
     w.loaded = false;
-    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr, value_levels(format_, gate, gate_values));
-    w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr, value_levels(format_, up, gate_values));
-    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr, value_levels(format_, down, down_values));
+    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr, held_layout(format_, gate, num_sources, I, H));
+    w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr, held_layout(format_, up, num_sources, I, H));
+    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr, held_layout(format_, down, num_sources, H, I));
     w.packed.assign(E, 0);
   } else {
-    require(within_levels(w.gate, gate, gate_values) && within_levels(w.up, up, gate_values) &&
-                within_levels(w.down, down, down_values),
-            "a part of a load must hold only values the parts before it hold (16 levels, held as 4-bit indices)");
+    require(holds(format_, w.gate, gate, num_sources) && holds(format_, w.up, up, num_sources) &&
+                holds(format_, w.down, down, num_sources),
+            "a part of a load must fit how the parts before it are held: only values of their 16 levels (held as "
+            "4-bit indices), scales factored as theirs are, mins only where they have mins");
     if (gate.zeros != nullptr) w.gate.add_zero_points(format_, E);
     if (up.zeros != nullptr) w.up.add_zero_points(format_, E);
     if (down.zeros != nullptr) w.down.add_zero_points(format_, E);

@@ -36,6 +36,35 @@ struct UnpackRegion {
 // scale_type: one per row when the scale group is 0, else scales_per_group per `scale group` inputs.
 constexpr int kEndOfList = -1;
 
+// How a projection is held, where its format chooses by the data (GGUF, kernels.h): values as 4-bit
+// indices into `levels` (each + 128), scales factored, mins left out where every min is 0.
+struct HeldLayout {
+  bool indexed = false;
+  alignas(16) std::array<int8_t, kLevels> levels{};
+  bool factored_scales = false;
+  bool mins = true;
+};
+
+// Canonical matrices (rows x k) of one projection (FormatTraits' layout), `count` of them.
+struct CanonicalMatrices {
+  const uint8_t* values;
+  const uint8_t* scales;
+  size_t count;
+  int rows, k, scale_group;
+};
+
+// A format's choice of layouts: `of` the layout that holds every matrix exactly, `holds` whether a
+// layout chosen before holds more matrices (a later part of a load), the packed bytes of one group
+// and pack (FormatTraits::pack's arguments) in a layout.
+struct HeldLayouts {
+  HeldLayout (*of)(const CanonicalMatrices& matrices);
+  bool (*holds)(const HeldLayout& layout, const CanonicalMatrices& matrices);
+  size_t (*group_bytes)(const HeldLayout& layout, int k);
+  size_t (*group_scale_bytes)(const HeldLayout& layout, int k, int scale_group);
+  void (*pack)(const HeldLayout& layout, const uint8_t* values, const uint8_t* scales, int rows, int k,
+               int scale_group, uint8_t* packed, uint8_t* packed_scales);
+};
+
 struct FormatTraits {
   const char* name;  // the method name (Python's registry adds the aliases)
   int value_bits;
@@ -60,12 +89,8 @@ struct FormatTraits {
   void (*pack_zeros)(const int8_t* zeros, int rows, int k, int scale_group, uint8_t* packed_zeros) = nullptr;
   // Canonical values per scale group: 2 where each group has a scale and a min (GGUF).
   int scales_per_group = 1;
-  // Formats whose int8 values may be held as 4-bit indices into 16 levels (GGUF): levels_of finds
-  // levels (+ 128, as kernels.h stores them) that hold every one of `count` values, or returns
-  // false; pack_indexed packs a canonical matrix so (its other arguments: pack's).
-  bool (*levels_of)(const int8_t* values, size_t count, int8_t* levels) = nullptr;
-  void (*pack_indexed)(const uint8_t* values, const uint8_t* scales, int rows, int k, int scale_group,
-                       const int8_t* levels, uint8_t* packed, uint8_t* packed_scales) = nullptr;
+  // Formats that choose how to hold each projection by its data (GGUF): null for the others.
+  const HeldLayouts* held_layouts = nullptr;
 
   bool has_scales() const { return scale_type != ScaleType::kNone; }
   bool has_zero_points() const { return pack_zeros != nullptr; }

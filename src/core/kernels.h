@@ -115,6 +115,8 @@ struct PackedGroups {
   size_t group_zero_bytes = 0;
   // GGUF held as 4-bit indices: the 16 levels they index, each + 128 (u8; 16-byte aligned); else null.
   const int8_t* levels = nullptr;
+  // GGUF's scales factored, and whether it holds mins (above).
+  bool factored_scales = false, mins = true;
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
   // tiles' prefetches run on into them (gemm_tiled).
   const uint8_t* next_values = nullptr;
@@ -166,15 +168,33 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 
 // ---- GGUF (llama.cpp's integer block types, held as int8 values with a scale and a min per group)
 // Every weight is q * scale + min, q an int8, scale and min fp32 per G = 16 or 32 inputs of a row
-// (kt_kernel/gguf_blocks.py turns each ggml type into that exactly). Values: the INT8 layout above
-// (q + 128); or, where every value of a projection is one of 16 levels (the 4-bit and smaller ggml
-// types: FormatTraits::levels_of), 4-bit indices into them in the INT4 layout, the levels + 128 in
-// PackedGroups::levels. Scales: per group, per scale group s, 16 scales, then the 16 rows' mins as
-// -min / 128: the kernels start a scale group's integer sum at -128 * sum(x) (the offset), so that
-// start times -min / 128 is min * sum(x), one fp32 FMA.
-constexpr int kGgufPairFloats = 2 * kGroupRows;
+// (kt_kernel/gguf_blocks.py turns each ggml type into that exactly). How a projection is held is
+// chosen by its data at load (HeldLayout, formats.h), always exactly:
+// Values: the INT8 layout above (q + 128); or, where every value of the projection is one of 16
+// levels (the 4-bit and smaller ggml types), 4-bit indices into them in the INT4 layout, the levels
+// + 128 in PackedGroups::levels.
+// Scales and mins: each entry is 16 rows' scales, or 16 rows' mins packed as -min / 128 (the
+// kernels start a scale group's integer sum at -128 * sum(x), the offset, so that start times
+// -min / 128 is min * sum(x): one fp32 FMA). Where every min is 0 (PackedGroups::mins false), the
+// min entries are left out. Per group:
+//   unfactored: per scale group s, a scale entry then a min entry, as fp32;
+//   factored (PackedGroups::factored_scales; the K-quants' own form): every scale of a row's
+//   kGgufBlockInputs inputs is an int8 multiple of one fp32 (exactly: found and checked at load),
+//   and so is every min. First, per block of kGgufBlockInputs inputs, the fp32 entries of those
+//   factors; then, per scale group s, the entries of int8 multiples. scale = multiple * factor.
 constexpr int kLevels = 16;
+constexpr int kGgufBlockInputs = 256;
 inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
+// Entries per scale group: a scale, and a min unless they are left out.
+constexpr int gguf_entries(bool mins) { return mins ? 2 : 1; }
+// Where a group's int8 multiples start, in factored scales.
+inline size_t gguf_multiples_offset(int k, bool mins) {
+  return size_t(ceil_div(k, kGgufBlockInputs)) * gguf_entries(mins) * kGroupRows * sizeof(float);
+}
+inline size_t gguf_group_scale_bytes(int k, int scale_group, bool factored, bool mins) {
+  const size_t entries = size_t(k / scale_group) * gguf_entries(mins) * kGroupRows;
+  return factored ? round_up(int(gguf_multiples_offset(k, mins) + entries), 64) : entries * sizeof(float);
+}
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
 // ---- FP8 (E4M3, OCP "fn"): bf16 activations, weights decoded to bf16 in the kernel --------

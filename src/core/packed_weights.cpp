@@ -22,14 +22,14 @@ void reserve_on_huge_pages(AlignedBuffer<uint8_t>& buffer, size_t bytes) {
 }  // namespace
 
 void PackedProjection::allocate(const FormatTraits& format, int experts, int rows_, int k_, int scale_group_,
-                                bool zero_points, const std::optional<std::array<int8_t, kLevels>>& levels_) {
+                                bool zero_points, const HeldLayout& held_) {
   rows = rows_;
   k = k_;
   scale_group = scale_group_;
-  indexed = levels_.has_value();
-  if (indexed) levels = *levels_;
-  group_bytes = indexed ? indexed_group_bytes(k) : format.group_bytes(k);
-  group_scale_bytes = format.group_scale_bytes(k, scale_group);
+  held = held_;
+  const HeldLayouts* layouts = format.held_layouts;
+  group_bytes = layouts ? layouts->group_bytes(held, k) : format.group_bytes(k);
+  group_scale_bytes = layouts ? layouts->group_scale_bytes(held, k, scale_group) : format.group_scale_bytes(k, scale_group);
   reserve_on_huge_pages(values, size_t(experts) * packed_groups(rows) * group_bytes);
   reserve_on_huge_pages(scales, size_t(experts) * packed_groups(rows) * group_scale_bytes);
   has_zeros = zero_points;
@@ -56,26 +56,27 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
     groups.zeros = zeros.data() + index * group_scale_bytes;
     groups.group_zero_bytes = group_scale_bytes;
   }
-  if (indexed) groups.levels = levels.data();
+  if (held.indexed) groups.levels = held.levels.data();
+  groups.factored_scales = held.factored_scales;
+  groups.mins = held.mins;
   return groups;
 }
 
-std::optional<std::array<int8_t, kLevels>> value_levels(const FormatTraits& format, const SourceProjection& src,
-                                                         size_t count) {
-  std::array<int8_t, kLevels> levels;
-  if (format.levels_of == nullptr || !format.levels_of(static_cast<const int8_t*>(src.values), count, levels.data()))
-    return std::nullopt;
-  return levels;
+namespace {
+
+CanonicalMatrices canonical(const SourceProjection& src, size_t count, int rows, int k) {
+  return {static_cast<const uint8_t*>(src.values), static_cast<const uint8_t*>(src.scales), count, rows, k,
+          src.scale_group};
 }
 
-bool within_levels(const PackedProjection& dst, const SourceProjection& src, size_t count) {
-  if (!dst.indexed) return true;
-  bool held[256] = {};
-  for (int8_t level : dst.levels) held[uint8_t(level)] = true;  // level + 128
-  const int8_t* values = static_cast<const int8_t*>(src.values);
-  for (size_t i = 0; i < count; ++i)
-    if (!held[uint8_t(values[i] + 128)]) return false;
-  return true;
+}  // namespace
+
+HeldLayout held_layout(const FormatTraits& format, const SourceProjection& src, size_t count, int rows, int k) {
+  return format.held_layouts ? format.held_layouts->of(canonical(src, count, rows, k)) : HeldLayout{};
+}
+
+bool holds(const FormatTraits& format, const PackedProjection& dst, const SourceProjection& src, size_t count) {
+  return !format.held_layouts || format.held_layouts->holds(dst.held, canonical(src, count, dst.rows, dst.k));
 }
 
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert) {
@@ -84,9 +85,9 @@ void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix
   const uint8_t* scales = static_cast<const uint8_t*>(src.scales);
   const uint8_t* values = static_cast<const uint8_t*>(src.values) + matrix * rows * format.row_bytes(k);
   const uint8_t* matrix_scales = scales ? scales + matrix * rows * scales_per_row * format.scale_bytes() : nullptr;
-  if (dst.indexed)
-    format.pack_indexed(values, matrix_scales, rows, k, src.scale_group, dst.levels.data(), dst.expert_values(expert),
-                        dst.expert_scales(expert));
+  if (format.held_layouts)
+    format.held_layouts->pack(dst.held, values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert),
+                              dst.expert_scales(expert));
   else
     format.pack(values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert), dst.expert_scales(expert));
   if (src.zeros != nullptr)

@@ -4,7 +4,6 @@
 
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 #include "common.h"
@@ -20,14 +19,12 @@ struct PackedProjection {
   AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
   AlignedBuffer<uint8_t> zeros;           // zero points (kernels.h), group_scale_bytes per group
   bool has_zeros = false;
-  // Values held as 4-bit indices into these levels (+ 128; FormatTraits::levels_of), or as the format's.
-  alignas(16) std::array<int8_t, kLevels> levels{};
-  bool indexed = false;
+  HeldLayout held;  // where the format chooses by the data (FormatTraits::held_layouts)
 
   // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them;
-  // levels: hold the values as 4-bit indices into them.
+  // held: the layout the format chose for the data (held_layout).
   void allocate(const FormatTraits& format, int experts, int rows, int k, int scale_group, bool zero_points = false,
-                const std::optional<std::array<int8_t, kLevels>>& levels = std::nullopt);
+                const HeldLayout& held = {});
   // Zero points for every expert from now on; those packed so far get zero points of 0 (their
   // weights unchanged): experts loaded in several calls, some with zero points, some without.
   void add_zero_points(const FormatTraits& format, int experts);
@@ -74,12 +71,11 @@ inline const float* bias_row(const std::vector<float>& bias, int slot, int rows)
   return bias.empty() ? nullptr : bias.data() + size_t(slot) * packed_groups(rows) * kGroupRows;
 }
 
-// The levels `count` canonical values of `src` may be held as indices into, where the format may
-// index its values (FormatTraits::levels_of); nullopt: as the format stores them.
-std::optional<std::array<int8_t, kLevels>> value_levels(const FormatTraits& format, const SourceProjection& src,
-                                                         size_t count);
-// Whether each of `count` canonical values of `src` is one of dst's levels (a later part of a load).
-bool within_levels(const PackedProjection& dst, const SourceProjection& src, size_t count);
+// The layout that holds `count` canonical matrices (rows x k) of `src` exactly, where the format
+// chooses by the data (FormatTraits::held_layouts); else the default, unused.
+HeldLayout held_layout(const FormatTraits& format, const SourceProjection& src, size_t count, int rows, int k);
+// Whether dst's layout holds `count` more canonical matrices of `src` (a later part of a load).
+bool holds(const FormatTraits& format, const PackedProjection& dst, const SourceProjection& src, size_t count);
 
 // Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert);

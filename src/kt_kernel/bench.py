@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from . import formats
+from .gguf_blocks import held_bytes_per_weight
 
 #: name -> (experts E, top-k K, hidden H, intermediate I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -145,10 +146,35 @@ def torch_format(fmt: str) -> str:
     return fmt if fmt in TORCH_BASELINES else "bf16"
 
 
-#: The GGUF rows, (group, bits) per projection: Q4_K_M's mix, gate and up as Q4_K (4-bit values per
-#: 32 inputs: held as 4-bit indices), down as Q6_K (6-bit values per 16: held as bytes). ``gguf:G``
-#: is 8-bit values per G inputs (Q8_0's kind). Every ggml type runs as one of these kinds.
-GGUF_BENCH_LAYOUT = {"gate": (32, 4), "up": (32, 4), "down": (16, 6)}
+@dataclass(frozen=True)
+class GgufBenchKind:
+    """How the bench makes a GGUF projection: ``bits``-bit values per ``group`` inputs, unsigned with
+    a min per group where ``mins`` (as Q4_K), else signed; the scales (and mins) small integers
+    times one fp16 per 256 inputs where ``factored`` (as the K-quants)."""
+
+    group: int
+    bits: int
+    mins: bool = False
+    factored: bool = False
+
+    @property
+    def value_range(self) -> tuple[int, int]:
+        top = 2**self.bits
+        return (0, top - 1) if self.mins else (-top // 2, top // 2 - 1)
+
+    def bytes_per_weight(self) -> float:
+        return held_bytes_per_weight(4 if self.bits <= 4 else 8, self.group, self.mins, self.factored)
+
+
+#: The GGUF rows: Q4_K_M's mix, gate and up as Q4_K (4-bit values and a min per 32 inputs: held as
+#: 4-bit indices), down as Q6_K (6-bit values per 16: held as bytes), their scales factored as those
+#: types' are. ``gguf:G`` is 8-bit values per G inputs with fp32 scales (Q8_0's kind). Every ggml
+#: type runs as one of these kinds.
+GGUF_BENCH_LAYOUT = {
+    "gate": GgufBenchKind(32, 4, mins=True, factored=True),
+    "up": GgufBenchKind(32, 4, mins=True, factored=True),
+    "down": GgufBenchKind(16, 6, factored=True),
+}
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -174,11 +200,11 @@ def bench_format(text: str) -> str:
     return text.lower()
 
 
-def gguf_layout(fmt: str, projection: str) -> tuple[int, int] | None:
-    """(group, bits) of a GGUF entry's projection (GGUF_BENCH_LAYOUT, or ``gguf:G``); None for others."""
+def gguf_layout(fmt: str, projection: str) -> GgufBenchKind | None:
+    """The kind of a GGUF entry's projection (GGUF_BENCH_LAYOUT, or ``gguf:G``); None for others."""
     if format_of(fmt) is not formats.GGUF:
         return None
-    return (int(fmt.split(":")[1]), 8) if ":" in fmt else GGUF_BENCH_LAYOUT[projection]
+    return GgufBenchKind(int(fmt.split(":")[1]), 8) if ":" in fmt else GGUF_BENCH_LAYOUT[projection]
 
 
 def bench_group(fmt: str, projection: str) -> int | None:
@@ -186,38 +212,60 @@ def bench_group(fmt: str, projection: str) -> int | None:
     (the format's default)."""
     layout = gguf_layout(fmt, projection)
     if layout is not None:
-        return layout[0]
+        return layout.group
     return int(fmt.split(":")[1]) if ":" in fmt else None
 
 
-def gguf_bench_tensor(weight, group: int, bits: int):
-    """A float weight [..., N, K] as a ggml type of ``bits``-bit values would hold it, canonical GGUF:
-    per group of inputs the scale max |w| / (2^(bits-1) - 1), min 0 (the kernels add the min all the
-    same); values of 16 levels or fewer are held as 4-bit indices."""
+def _factored(values, group: int, top: int = 63):
+    """Per-group values [..., K / group] rounded to integer multiples (|m| <= top) of one fp16 per
+    256 inputs, as the K-quants store their scales and mins."""
     import torch
 
-    top = 2 ** (bits - 1) - 1
-    blocks = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
-    scale = blocks.abs().amax(dim=-1) / top
+    per_block = 256 // group
+    padded = torch.nn.functional.pad(values, (0, -values.shape[-1] % per_block))
+    blocks = padded.reshape(*values.shape[:-1], -1, per_block)
+    unit = (blocks.abs().amax(dim=-1, keepdim=True) / top).half().float()
+    unit = torch.where(unit > 0, unit, torch.ones_like(unit))
+    multiples = torch.round(blocks / unit).clamp(-top, top)
+    return (multiples * unit).reshape(padded.shape)[..., : values.shape[-1]]
+
+
+def gguf_bench_tensor(weight, kind: GgufBenchKind):
+    """A float weight [..., N, K] as a ggml type of that kind would hold it, canonical GGUF: per group
+    the scale (and min) that spans the group's weights on the kind's values."""
+    import torch
+
+    low, high = kind.value_range
+    blocks = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // kind.group, kind.group)
+    if kind.mins:
+        minimum = blocks.amin(dim=-1).clamp(max=0)
+        scale = (blocks.amax(dim=-1) - minimum) / high
+    else:
+        minimum = torch.zeros(blocks.shape[:-1])
+        scale = blocks.abs().amax(dim=-1) / high
+    if kind.factored:
+        scale, minimum = _factored(scale, kind.group), _factored(minimum, kind.group)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / safe[..., None]).clamp(-top - 1, top).to(torch.int8).reshape(weight.shape)
-    return q, torch.stack([scale, torch.zeros_like(scale)], dim=-1).reshape(*scale.shape[:-1], -1)
+    q = torch.round((blocks - minimum[..., None]) / safe[..., None]).clamp(low, high)
+    pairs = torch.stack([scale, minimum], dim=-1).reshape(*scale.shape[:-1], -1)
+    return q.to(torch.int8).reshape(weight.shape), pairs
 
 
 def weight_bytes(fmt: str) -> float:
     """Bytes per weight, scales included, over the three projections (of one size each): group scales
     at the bench's group (the largest, the one quantize-on-load picks for every shape here, but
-    GGUF's and a given G), a scale per row counted as negligible; GGUF's values of 4 bits or fewer
-    take half a byte."""
+    GGUF's and a given G), a scale per row counted as negligible; GGUF's as its kinds are held."""
     f = format_of(fmt)
     if not f.group_scales:
         return f.value_bits / 8
     total = 0.0
     for p in PROJECTIONS:
         layout = gguf_layout(fmt, p)
-        value_bytes = f.value_bits / 8 if layout is None or layout[1] > 4 else 0.5
-        group = bench_group(fmt, p) or max(f.scale_groups)
-        total += value_bytes + f.scales_per_group * f.scale_bytes / group
+        if layout is not None:
+            total += layout.bytes_per_weight()
+        else:
+            group = bench_group(fmt, p) or max(f.scale_groups)
+            total += f.value_bits / 8 + f.scales_per_group * f.scale_bytes / group
     return total / len(PROJECTIONS)
 
 
@@ -230,7 +278,7 @@ def load_bench_weights(moe, fmt: str, gate, up, down) -> None:
     quantized = {}
     for p, w in zip(PROJECTIONS, (gate, up, down), strict=True):
         layout = gguf_layout(fmt, p)
-        quantized[p] = gguf_bench_tensor(w, *layout) if layout else f.quantize(w, bench_group(fmt, p))
+        quantized[p] = gguf_bench_tensor(w, layout) if layout else f.quantize(w, bench_group(fmt, p))
     moe.load_weights_from_tensors(
         *(quantized[p][0] for p in PROJECTIONS), **{f"{p}_scale": quantized[p][1] for p in PROJECTIONS}
     )

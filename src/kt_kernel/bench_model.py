@@ -99,10 +99,10 @@ def canonical_weights(shape: str, fmt: str, seed: int) -> dict:
         values = f.random_values((experts, rows, f.canonical_bytes(k)), gen)
         row = torch.empty(1, k).uniform_(-1, 1, generator=gen) * (3 / k) ** 0.5
         layout = gguf_layout(fmt, name)
-        if layout is not None:  # values of the layout's bits (4: held as indices)
-            top = 2 ** (layout[1] - 1)
-            values = torch.randint(-top, top, (experts, rows, k), generator=gen, dtype=torch.int8)
-            _, scale = gguf_bench_tensor(row, *layout)
+        if layout is not None:  # values of the kind's range (4 bits: held as indices)
+            low, high = layout.value_range
+            values = torch.randint(low, high + 1, (experts, rows, k), generator=gen, dtype=torch.int8)
+            _, scale = gguf_bench_tensor(row, layout)
         else:
             _, scale = f.quantize(row, bench_group(fmt, name))
         tensors[f"{name}_proj"] = values.view(f.value_dtypes[0])

@@ -308,18 +308,19 @@ class GGUFLayerReader:
             )
 
     def _warn_of_memory(self, tensors: list[_ExpertTensor]) -> None:
-        """The engine holds every quantized type as a byte (a 4-bit index for the types of 16 levels
-        or fewer) per weight plus a float32 scale and min per group: more memory than the file's
-        blocks. Said once per file and set of types (the text is the same for every layer)."""
+        """The engine holds every quantized type exactly, as a byte (a 4-bit index for the types of
+        16 levels or fewer) per weight plus scales and mins (BlockType.held_bytes_per_weight): more
+        memory than the file's blocks. Said once per file and set of types (the text is the same
+        for every layer)."""
         held = stored = 0.0
         for t in tensors:
             block = BLOCK_TYPES[t.type_name]
-            held += block.held_bits / 8 + 8 / block.group
+            held += block.held_bytes_per_weight()
             stored += block.block_bytes / block.block_inputs
         types = "/".join(dict.fromkeys(t.type_name for t in tensors))
         warnings.warn(
-            f"{self.model.where}: {types} experts are held exactly as 4- or 8-bit values with a float32 "
-            f"scale and min per group: {held / len(tensors):.2f} bytes per weight in memory, "
+            f"{self.model.where}: {types} experts are held exactly as 4- or 8-bit values with their "
+            f"scales and mins: about {held / len(tensors):.2f} bytes per weight in memory, "
             f"{held / stored:.1f}x the file's {stored / len(tensors):.2f}",
             stacklevel=4,
         )

@@ -1,6 +1,8 @@
 // GGUF: llama.cpp's integer block types as int8 values with an fp32 scale and min per 16 or 32
-// inputs (w = q * scale + min); values stored as q + 128 in the INT8 layout, or, where they are 16
-// levels, as 4-bit indices into them in the INT4 layout (kernels.h).
+// inputs (w = q * scale + min), held as the data allows (HeldLayout; the layouts: kernels.h):
+// values as bytes (q + 128) or 4-bit indices into 16 levels, scales as fp32 or factored, mins left
+// out where all are 0. Every choice is exact, checked on the data at load.
+#include <cmath>
 #include <cstring>
 
 #include "formats.h"
@@ -8,9 +10,6 @@
 
 KT_NAMESPACE_BEGIN
 namespace {
-
-size_t group_bytes(int k) { return size_t(k) * kGroupRows; }
-size_t group_scale_bytes(int k, int scale_group) { return size_t(k / scale_group) * kGgufPairFloats * sizeof(float); }
 
 // The packed min of a canonical one: the kernels multiply it by -128 * sum(x) (kernels.h). Exact:
 // a power of two.
@@ -40,45 +39,160 @@ bool levels_of(const int8_t* values, size_t count, int8_t* levels) {
   return false;
 }
 
-// One 16-row group's scales and mins (kernels.h), from canonical pairs [rows][k / G][scale, min].
-void pack_pairs(const float* pairs, int rows, int k, int scale_group, int g, float* group_scales) {
-  const int groups_per_row = k / scale_group;
-  for (int r = 0; r < kGroupRows; ++r) {
-    const size_t row = size_t(g) * kGroupRows + r;
-    for (int s = 0; s < groups_per_row; ++s) {
-      const float* pair = pairs + (row * groups_per_row + s) * 2;
-      group_scales[s * kGgufPairFloats + r] = row < size_t(rows) ? pair[0] : 0.0f;
-      group_scales[s * kGgufPairFloats + kGroupRows + r] = row < size_t(rows) ? pair[1] * kMinFactor : 0.0f;
+bool within_levels(const HeldLayout& layout, const int8_t* values, size_t count) {
+  bool held[256] = {};
+  for (int8_t level : layout.levels) held[uint8_t(level)] = true;  // level + 128
+  for (size_t i = 0; i < count; ++i)
+    if (!held[uint8_t(values[i] + 128)]) return false;
+  return true;
+}
+
+// The scales (entry 0) or packed mins (entry 1) of a canonical row's scale groups [first, first + n):
+// pairs [groups][scale, min].
+void entries_of(const float* pairs, int first, int n, int entry, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = entry == 0 ? pairs[2 * (first + i)] : pairs[2 * (first + i) + 1] * kMinFactor;
+}
+
+// Factors n values as int8 multiples of one fp32: float(multiples[i]) * factor == values[i], exactly
+// as the kernels compute it. `hint` (the largest value's multiple in the last block that factored)
+// is tried first: a tensor's blocks mostly share it (Q4_K: 63, Q6_K: -128).
+bool factor(const float* values, int n, float& factor_out, int8_t* multiples, int& hint) {
+  int largest = 0;
+  for (int i = 1; i < n; ++i)
+    if (std::fabs(values[i]) > std::fabs(values[largest])) largest = i;
+  const float top = values[largest];
+  if (top == 0.0f) {
+    factor_out = 0.0f;
+    std::memset(multiples, 0, n);
+    return true;
+  }
+  const auto try_multiple = [&](int m) {
+    const float f = top / float(m);
+    for (int i = 0; i < n; ++i) {
+      const float q = std::nearbyint(values[i] / f);
+      if (!(q >= -128.0f && q <= 127.0f) || q * f != values[i]) return false;
+      multiples[i] = int8_t(q);
     }
-  }
+    factor_out = f;
+    return true;
+  };
+  if (hint != 0 && try_multiple(hint)) return true;
+  for (int m = 127; m >= -128; --m)
+    if (m != 0 && m != hint && try_multiple(m)) {
+      hint = m;
+      return true;
+    }
+  return false;
 }
 
-void pack(const uint8_t* values, const uint8_t* scale_bytes, int rows, int k, int scale_group, uint8_t* packed,
-          uint8_t* packed_scales) {
-  const int8_t* q = reinterpret_cast<const int8_t*>(values);
-  for (int g = 0; g < packed_groups(rows); ++g) {
-    uint8_t* group = packed + g * group_bytes(k);
-    pack_pairs(reinterpret_cast<const float*>(scale_bytes), rows, k, scale_group, g,
-               reinterpret_cast<float*>(packed_scales + g * group_scale_bytes(k, scale_group)));
-    std::memset(group, kInt8Offset, group_bytes(k));  // padding = weight 0
-    for (int r = 0; r < kGroupRows && size_t(g) * kGroupRows + r < size_t(rows); ++r)
-      pack_int8_row(q + (size_t(g) * kGroupRows + r) * k, k, r, group);
-  }
+// Calls visit(row, block, first group, groups, entry, values) for every block of every canonical row,
+// entry 0 (scales) and, with mins, 1 (packed mins); stops at the first visit that returns false.
+template <class Visit>
+bool for_each_block(const float* pairs, size_t rows, int k, int scale_group, bool mins, Visit visit) {
+  const int groups = k / scale_group, per_block = kGgufBlockInputs / scale_group;
+  float values[kGgufBlockInputs / 16];
+  for (size_t row = 0; row < rows; ++row)
+    for (int first = 0; first < groups; first += per_block)
+      for (int entry = 0; entry < gguf_entries(mins); ++entry) {
+        const int n = std::min(per_block, groups - first);
+        entries_of(pairs + row * groups * 2, first, n, entry, values);
+        if (!visit(row, first / per_block, first, n, entry, values)) return false;
+      }
+  return true;
 }
 
-void pack_indexed(const uint8_t* values, const uint8_t* scale_bytes, int rows, int k, int scale_group,
-                  const int8_t* levels, uint8_t* packed, uint8_t* packed_scales) {
+bool scales_factor(const float* pairs, size_t rows, int k, int scale_group, bool mins) {
+  int hints[2] = {};
+  int8_t multiples[kGgufBlockInputs / 16];
+  float f;
+  return for_each_block(pairs, rows, k, scale_group, mins, [&](size_t, int, int, int n, int entry, const float* v) {
+    return factor(v, n, f, multiples, hints[entry]);
+  });
+}
+
+bool has_mins(const float* pairs, size_t pair_count) {
+  for (size_t i = 0; i < pair_count; ++i)
+    if (pairs[2 * i + 1] != 0.0f) return true;
+  return false;
+}
+
+HeldLayout layout_of(const CanonicalMatrices& m) {
+  HeldLayout layout;
+  const size_t rows = m.count * m.rows;
+  const float* pairs = reinterpret_cast<const float*>(m.scales);
+  layout.indexed = levels_of(reinterpret_cast<const int8_t*>(m.values), rows * m.k, layout.levels.data());
+  layout.mins = has_mins(pairs, rows * (m.k / m.scale_group));
+  layout.factored_scales = scales_factor(pairs, rows, m.k, m.scale_group, layout.mins);
+  return layout;
+}
+
+bool layout_holds(const HeldLayout& layout, const CanonicalMatrices& m) {
+  const size_t rows = m.count * m.rows;
+  const float* pairs = reinterpret_cast<const float*>(m.scales);
+  return (!layout.indexed || within_levels(layout, reinterpret_cast<const int8_t*>(m.values), rows * m.k)) &&
+         (layout.mins || !has_mins(pairs, rows * (m.k / m.scale_group))) &&
+         (!layout.factored_scales || scales_factor(pairs, rows, m.k, m.scale_group, layout.mins));
+}
+
+size_t held_group_bytes(const HeldLayout& layout, int k) {
+  return layout.indexed ? indexed_group_bytes(k) : size_t(k) * kGroupRows;
+}
+
+size_t held_group_scale_bytes(const HeldLayout& layout, int k, int scale_group) {
+  return gguf_group_scale_bytes(k, scale_group, layout.factored_scales, layout.mins);
+}
+
+// One 16-row group's scales and mins (kernels.h), from canonical pairs [rows][k / G][scale, min].
+void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, int scale_group, int g,
+                 uint8_t* group_scales) {
+  const int groups = k / scale_group, entries = gguf_entries(layout.mins);
+  std::memset(group_scales, 0, gguf_group_scale_bytes(k, scale_group, layout.factored_scales, layout.mins));
+  float* floats = reinterpret_cast<float*>(group_scales);
+  const size_t first_row = size_t(g) * kGroupRows, real_rows = std::min<size_t>(kGroupRows, rows - first_row);
+  const float* group_pairs = pairs + first_row * groups * 2;
+  if (!layout.factored_scales) {
+    float values[1];
+    for (size_t r = 0; r < real_rows; ++r)
+      for (int s = 0; s < groups; ++s)
+        for (int entry = 0; entry < entries; ++entry) {
+          entries_of(group_pairs + r * groups * 2, s, 1, entry, values);
+          floats[(s * entries + entry) * kGroupRows + r] = values[0];
+        }
+    return;
+  }
+  int8_t* multiples = reinterpret_cast<int8_t*>(group_scales + gguf_multiples_offset(k, layout.mins));
+  int hints[2] = {};
+  int8_t block_multiples[kGgufBlockInputs / 16];
+  for_each_block(group_pairs, real_rows, k, scale_group, layout.mins,
+                 [&](size_t r, int block, int first, int n, int entry, const float* v) {
+                   float f;
+                   factor(v, n, f, block_multiples, hints[entry]);  // factors: checked by layout_of
+                   floats[(block * entries + entry) * kGroupRows + r] = f;
+                   for (int i = 0; i < n; ++i)
+                     multiples[((first + i) * entries + entry) * kGroupRows + r] = block_multiples[i];
+                   return true;
+                 });
+}
+
+void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* scale_bytes, int rows, int k,
+               int scale_group, uint8_t* packed, uint8_t* packed_scales) {
   const int8_t* q = reinterpret_cast<const int8_t*>(values);
+  const size_t value_bytes = held_group_bytes(layout, k), scale_bytes_per_group = held_group_scale_bytes(layout, k, scale_group);
   uint8_t index_of[256] = {};  // level + 128 -> its first index
-  for (int i = kLevels - 1; i >= 0; --i) index_of[uint8_t(levels[i])] = uint8_t(i);
-  const uint8_t zero = index_of[kInt8Offset];  // (padding rows have scale and min 0: any index is weight 0)
+  for (int i = kLevels - 1; i >= 0; --i) index_of[uint8_t(layout.levels[i])] = uint8_t(i);
+  // Padding rows have scale and min 0: any value is weight 0.
+  const uint8_t padding = layout.indexed ? uint8_t(index_of[kInt8Offset] * 0x11) : uint8_t(kInt8Offset);
   for (int g = 0; g < packed_groups(rows); ++g) {
-    uint8_t* group = packed + g * indexed_group_bytes(k);
-    pack_pairs(reinterpret_cast<const float*>(scale_bytes), rows, k, scale_group, g,
-               reinterpret_cast<float*>(packed_scales + g * group_scale_bytes(k, scale_group)));
-    std::memset(group, zero | zero << 4, indexed_group_bytes(k));
+    uint8_t* group = packed + g * value_bytes;
+    pack_scales(layout, reinterpret_cast<const float*>(scale_bytes), rows, k, scale_group, g,
+                packed_scales + g * scale_bytes_per_group);
+    std::memset(group, padding, value_bytes);
     for (int r = 0; r < kGroupRows && size_t(g) * kGroupRows + r < size_t(rows); ++r) {
       const int8_t* row = q + (size_t(g) * kGroupRows + r) * k;
+      if (!layout.indexed) {
+        pack_int8_row(row, k, r, group);
+        continue;
+      }
       for (int c = 0; c < k; ++c) {
         uint8_t& byte = group[nibble_position(c, r)];
         const int shift = nibble_shift(c);
@@ -88,11 +202,22 @@ void pack_indexed(const uint8_t* values, const uint8_t* scale_bytes, int rows, i
   }
 }
 
+// Row r's scale (entry 0) or packed min (entry 1) of scale group s, from one group's packed scales.
+float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, int s, int entry) {
+  const int entries = gguf_entries(w.mins);
+  if (entry == 1 && !w.mins) return 0.0f;
+  const float* floats = reinterpret_cast<const float*>(group_scales);
+  if (!w.factored_scales) return floats[(s * entries + entry) * kGroupRows + r];
+  const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
+  const int block = s * w.scale_group / kGgufBlockInputs;
+  return float(multiples[(s * entries + entry) * kGroupRows + r]) * floats[(block * entries + entry) * kGroupRows + r];
+}
+
 void unpack(const PackedGroups& w, const UnpackRegion& region) {
   for (int i = 0; i < region.rows; ++i) {
     const int row = region.row0 + i, r = row % kGroupRows;
     const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
-    const float* group_scales = reinterpret_cast<const float*>(w.scales + size_t(row / kGroupRows) * w.group_scale_bytes);
+    const uint8_t* group_scales = w.scales + size_t(row / kGroupRows) * w.group_scale_bytes;
     uint8_t* dst = region.values + i * region.values_stride;
     if (w.levels == nullptr)
       unpack_int8_row(group, r, region.k0, region.cols, dst);
@@ -102,12 +227,21 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
         dst[c] = uint8_t(w.levels[index] - kInt8Offset);
       }
     for (int s = 0; s < region.cols / w.scale_group; ++s) {
-      const float* packed = group_scales + size_t(region.k0 / w.scale_group + s) * kGgufPairFloats;
-      const float pair[2] = {packed[r], packed[kGroupRows + r] / kMinFactor};
+      const int group_s = region.k0 / w.scale_group + s;
+      const float pair[2] = {packed_entry(w, group_scales, r, group_s, 0),
+                             packed_entry(w, group_scales, r, group_s, 1) / kMinFactor};
       std::memcpy(region.scales + i * region.scales_stride + s * sizeof(pair), pair, sizeof(pair));
     }
   }
 }
+
+constexpr HeldLayouts kGgufLayouts = {
+    .of = layout_of,
+    .holds = layout_holds,
+    .group_bytes = held_group_bytes,
+    .group_scale_bytes = held_group_scale_bytes,
+    .pack = pack_held,
+};
 
 }  // namespace
 
@@ -119,15 +253,14 @@ extern const FormatTraits kGgufFormat = {
     .k_multiple = 32,
     .max_k = kMaxDimension,
     .activations = ActivationKind::kQuantized,
-    .group_bytes = group_bytes,
-    .group_scale_bytes = group_scale_bytes,
-    .pack = pack,
+    .group_bytes = nullptr,  // held_layouts gives them
+    .group_scale_bytes = nullptr,
+    .pack = nullptr,
     .unpack = unpack,
     .gemm = &Kernels::gguf,
     .path = &KernelInfo::gguf_path,
     .scales_per_group = 2,
-    .levels_of = levels_of,
-    .pack_indexed = pack_indexed,
+    .held_layouts = &kGgufLayouts,
 };
 
 KT_NAMESPACE_END
