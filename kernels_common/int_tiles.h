@@ -379,11 +379,6 @@ struct IntTiles {
               for (int p = 0; p < P; ++p)
                 for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
           } while ((c += kLinesPerPartial) < (s + 1) * lines_per_scale);
-          Float scales[kVecs], mins[kVecs];  // once per group, for every token (GGUF's may be factored)
-          for (int v = 0; v < kVecs; ++v) {
-            scales[v] = four_bit_scale(w, v, s);
-            if constexpr (FourBit::kMins) mins[v] = four_bit_min(w, v, s);
-          }
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
             // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32 (GGUF's mins).
@@ -391,8 +386,8 @@ struct IntTiles {
             for (int v = 0; v < kVecs; ++v) {
               Int sum = part[i][0][v];
               if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);
-              acc[i][v] = V::fmadd(V::to_float(sum), scales[v], acc[i][v]);
-              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, mins[v], acc[i][v]);
+              acc[i][v] = V::fmadd(V::to_float(sum), four_bit_scale(w, v, s), acc[i][v]);
+              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, four_bit_min(w, v, s), acc[i][v]);
             }
           }
         }

@@ -27,9 +27,9 @@ def gguf_tensor(
     shape = (experts, rows, k // group)
     if factored:
         per_block = 256 // group
-        unit = (
-            torch.exp2(torch.randint(-14, -9, (experts, rows, -(-k // 256)), generator=g).float()) * 1.3
-        ).half()
+        blocks = (experts, rows, -(-k // 256))
+        sign = torch.randint(0, 2, blocks, generator=g) * 2 - 1  # either sign: a 0 multiple is -0.0 or +0.0
+        unit = (torch.exp2(torch.randint(-14, -9, blocks, generator=g).float()) * 1.3 * sign).half()
         unit = unit.float().repeat_interleave(per_block, dim=-1)[..., : k // group]
         scale = unit * torch.randint(-128, 128, shape, generator=g)
         min_unit = (unit * 0.3).half().float()
@@ -201,7 +201,7 @@ def test_scales_are_factored_and_mins_left_out_where_the_data_allows(groups, min
     assert engine_bytes(*tensors) == expected_bytes(groups, False, factored, mins)
     for name in ("gate", "down"):
         values, pairs = tensors[("gate", "up", "down").index(name)]
-        assert torch.equal(unpacked(tensors, name, 0, values.shape[-1])[1], pairs[3, 16:32])
+        assert same_bits(unpacked(tensors, name, 0, values.shape[-1])[1], pairs[3, 16:32])
     if factored:  # one scale in one block off the grid of its block: every scale held as fp32
         gate, pairs = tensors[0]
         off = pairs.clone()
@@ -212,6 +212,11 @@ def test_scales_are_factored_and_mins_left_out_where_the_data_allows(groups, min
             held_bytes(INTER, HIDDEN, groups[0], False, False, mins)
             - held_bytes(INTER, HIDDEN, groups[0], False, True, mins)
         )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (-0.0 is not +0.0): what the write-back must give back."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def unpacked(tensors, name: str, k0: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,4 +285,4 @@ def test_unpack_gives_back_the_canonical_tensors(levels, factored):
         group = 2 * values.shape[-1] // pairs.shape[-1]
         out_values, out_pairs = unpacked(tensors, name, k0, cols)
         assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
-        assert torch.equal(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])
+        assert same_bits(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])

@@ -2,6 +2,7 @@
 // inputs (w = q * scale + min), held as the data allows (HeldLayout; the layouts: kernels.h):
 // values as bytes (q + 128) or 4-bit indices into 16 levels, scales as fp32 or factored, mins left
 // out where all are 0. Every choice is exact, checked on the data at load.
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -70,8 +71,13 @@ bool factor(const float* values, int n, float& factor_out, int8_t* multiples, in
     const float f = top / float(m);
     for (int i = 0; i < n; ++i) {
       const float q = std::nearbyint(values[i] / f);
-      if (!(q >= -128.0f && q <= 127.0f) || q * f != values[i]) return false;
+      if (!(q >= -128.0f && q <= 127.0f)) return false;
       multiples[i] = int8_t(q);
+      // What the kernels compute, bit for bit (the write-back gives the canonical tensors back as
+      // loaded): an int8 0 times f is a 0 of f's sign, whatever q's sign (spelled out: GCC folds
+      // float(int8_t(q)) to q under -fno-trapping-math).
+      const float back = q == 0.0f ? std::copysign(0.0f, f) : q * f;
+      if (std::bit_cast<uint32_t>(back) != std::bit_cast<uint32_t>(values[i])) return false;
     }
     factor_out = f;
     return true;
@@ -110,9 +116,10 @@ bool scales_factor(const float* pairs, size_t rows, int k, int scale_group, bool
   });
 }
 
+// Whether any min is other than +0 (the min a layout without mins gives back).
 bool has_mins(const float* pairs, size_t pair_count) {
   for (size_t i = 0; i < pair_count; ++i)
-    if (pairs[2 * i + 1] != 0.0f) return true;
+    if (std::bit_cast<uint32_t>(pairs[2 * i + 1]) != 0) return true;
   return false;
 }
 
@@ -202,10 +209,10 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
   }
 }
 
-// Row r's scale (entry 0) or packed min (entry 1) of scale group s, from one group's packed scales.
+// Row r's scale (entry 0) or packed min (entry 1, where held) of scale group s, from one group's
+// packed scales.
 float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, int s, int entry) {
   const int entries = gguf_entries(w.mins);
-  if (entry == 1 && !w.mins) return 0.0f;
   const float* floats = reinterpret_cast<const float*>(group_scales);
   if (!w.factored_scales) return floats[(s * entries + entry) * kGroupRows + r];
   const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
@@ -229,7 +236,7 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
     for (int s = 0; s < region.cols / w.scale_group; ++s) {
       const int group_s = region.k0 / w.scale_group + s;
       const float pair[2] = {packed_entry(w, group_scales, r, group_s, 0),
-                             packed_entry(w, group_scales, r, group_s, 1) / kMinFactor};
+                             w.mins ? packed_entry(w, group_scales, r, group_s, 1) / kMinFactor : 0.0f};
       std::memcpy(region.scales + i * region.scales_stride + s * sizeof(pair), pair, sizeof(pair));
     }
   }
