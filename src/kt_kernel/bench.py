@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 
 from . import formats
-from .gguf_blocks import held_bytes_per_weight
+from .gguf_blocks import BLOCK_TYPES, held_bytes_per_weight
 
 #: name -> (experts E, top-k K, hidden H, intermediate I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -165,14 +165,21 @@ class GgufBenchKind:
     def bytes_per_weight(self) -> float:
         return held_bytes_per_weight(4 if self.bits <= 4 else 8, self.group, self.mins, self.factored)
 
+    @classmethod
+    def of_type(cls, type_name: str) -> GgufBenchKind:
+        """The kind a ggml type runs as (BLOCK_TYPES): its group, 4-bit values where it is held as
+        indices, else 8-bit ones, its mins, its scales factored where the type's always are."""
+        block = BLOCK_TYPES[type_name.upper()]
+        return cls(block.group, 4 if block.held_bits == 4 else 8, block.mins, bool(block.factored))
 
-#: The GGUF rows: Q4_K_M's mix, gate and up as Q4_K (4-bit values and a min per 32 inputs: held as
-#: 4-bit indices), down as Q6_K (6-bit values per 16: held as bytes), their scales factored as those
-#: types' are. ``gguf:G`` is 8-bit values per G inputs with fp32 scales (Q8_0's kind). Every ggml
-#: type runs as one of these kinds.
+
+#: The GGUF rows: ``gguf`` is Q4_K_M's mix, gate and up as Q4_K (4-bit values and a min per 32
+#: inputs: held as 4-bit indices), down as Q6_K (6-bit values per 16: held as bytes), their scales
+#: factored as those types' are. ``gguf:TYPE`` runs every projection as that ggml type's kind
+#: (GgufBenchKind.of_type), ``gguf:G`` 8-bit values per G inputs with fp32 scales.
 GGUF_BENCH_LAYOUT = {
-    "gate": GgufBenchKind(32, 4, mins=True, factored=True),
-    "up": GgufBenchKind(32, 4, mins=True, factored=True),
+    "gate": GgufBenchKind.of_type("Q4_K"),
+    "up": GgufBenchKind.of_type("Q4_K"),
     "down": GgufBenchKind(16, 6, factored=True),
 }
 PROJECTIONS = ("gate", "up", "down")
@@ -184,12 +191,14 @@ def format_of(fmt: str) -> formats.WeightFormat:
 
 
 def bench_format(text: str) -> str:
-    """--format's entries: a format's name, or ``name:G`` for a format that offers a choice of group
-    size (``fp8:16`` runs NVFP4's blocks, ``fp8:32`` MXFP8's)."""
+    """--format's entries: a format's name, ``name:G`` for a format that offers a choice of group
+    size (``fp8:16`` runs NVFP4's blocks, ``fp8:32`` MXFP8's), or ``gguf:TYPE`` (a ggml type)."""
     name, _, group = text.lower().partition(":")
     choices = [f.lower() for f in formats.FORMATS]
     if name not in choices:
         raise argparse.ArgumentTypeError(f"{text!r}: not one of {', '.join(choices)} (or name:G)")
+    if formats.get(name) is formats.GGUF and group.upper() in BLOCK_TYPES:
+        return text.lower()
     if group:
         f = formats.get(name)
         if not f.group_choice or not group.isdigit() or int(group) not in f.scale_groups or not int(group):
@@ -204,7 +213,10 @@ def gguf_layout(fmt: str, projection: str) -> GgufBenchKind | None:
     """The kind of a GGUF entry's projection (GGUF_BENCH_LAYOUT, or ``gguf:G``); None for others."""
     if format_of(fmt) is not formats.GGUF:
         return None
-    return GgufBenchKind(int(fmt.split(":")[1]), 8) if ":" in fmt else GGUF_BENCH_LAYOUT[projection]
+    if ":" not in fmt:
+        return GGUF_BENCH_LAYOUT[projection]
+    suffix = fmt.split(":")[1]
+    return GgufBenchKind(int(suffix), 8) if suffix.isdigit() else GgufBenchKind.of_type(suffix)
 
 
 def bench_group(fmt: str, projection: str) -> int | None:
@@ -576,7 +588,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", nargs="+", type=bench_format, default=choices, metavar="FORMAT",
         help=f"{', '.join(choices)}, or name:G for scale groups of G ({', '.join(formats.GROUP_CHOICE)}; "
-        "fp8:16: NVFP4's blocks, fp8:32: MXFP8's; gguf alone: Q4_K_M's groups)",
+        "fp8:16: NVFP4's blocks, fp8:32: MXFP8's; gguf alone: Q4_K_M's mix; gguf:TYPE: a ggml type's kind, "
+        "e.g. gguf:q6_k)",
     )  # fmt: skip
     parser.add_argument(
         "--tokens", nargs="+", type=int,
