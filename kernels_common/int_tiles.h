@@ -91,7 +91,9 @@ struct GgufFormat {
   static typename V::Float min(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
     return w.mins ? entry(w, group_scales, s, 1, first_row) : V::set1_ps(0.0f);
   }
-  // Entry `entry` (0: scales, 1: mins) of scale group s, kLanes rows from first_row.
+  // Entry `entry` (0: scales, 1: mins) of scale group s, kLanes rows from first_row. The layout is a
+  // branch here, not a template parameter: tiles compiled apart per layout ran a factored prefill 5 %
+  // slower (T = 512, avx512, one process, interleaved), the fp32 one no faster.
   static typename V::Float entry(const PackedGroups& w, const uint8_t* group_scales, int s, int entry, int first_row) {
     const int entries = gguf_entries(w.mins);
     const float* floats = reinterpret_cast<const float*>(group_scales);

@@ -226,7 +226,9 @@ def test_format_entries_outside_the_registry_are_refused(entry, capsys):
     assert repr(entry) in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["gguf", "gguf:32", "gguf:q6_k", "gguf:q4_0", "gguf:iq4_xs", "gguf:q2_k"])
+@pytest.mark.parametrize(
+    "fmt", ["gguf", "gguf:32", "gguf:q6_k", "gguf:q4_0", "gguf:iq4_xs", "gguf:q2_k", "gguf:q5_k", "gguf:q5_1"]
+)
 def test_gguf_rows_are_held_in_the_bytes_the_bench_counts(fmt):
     """The bench's GGUF weights, in both modes, are held as its figures assume (weight_bytes): Q4_K_M's
     scales factored and Q6_K's without mins, fp32 scales (8-bit per G), or as a ggml type is."""

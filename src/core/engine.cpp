@@ -153,9 +153,11 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
           "a part of a load must have the scale groups of the parts before it (the experts of a layer share them)");
   if (every_slot || !earlier_parts) {
     w.loaded = false;
-    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr, held_layout(format_, gate, num_sources, I, H));
+    w.gate.allocate(format_, E, I, H, gate.scale_group, gate.zeros != nullptr,
+                    held_layout(format_, gate, num_sources, I, H));
     w.up.allocate(format_, E, I, H, up.scale_group, up.zeros != nullptr, held_layout(format_, up, num_sources, I, H));
-    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr, held_layout(format_, down, num_sources, H, I));
+    w.down.allocate(format_, E, H, I, down.scale_group, down.zeros != nullptr,
+                    held_layout(format_, down, num_sources, H, I));
     w.packed.assign(E, 0);
   } else {
     require(holds(format_, w.gate, gate, num_sources) && holds(format_, w.up, up, num_sources) &&

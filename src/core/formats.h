@@ -74,7 +74,8 @@ struct FormatTraits {
   int k_multiple;  // hidden and intermediate sizes must be multiples of this
   int max_k;                        // ... and at most this
   ActivationKind activations;
-  // Packed bytes of one 16-row group (kernels.h), of its values and of its scales.
+  // Packed bytes of one 16-row group (kernels.h), of its values and of its scales, and pack (these
+  // three null where held_layouts gives them).
   size_t (*group_bytes)(int k);
   size_t (*group_scale_bytes)(int k, int scale_group);
   // Canonical matrix -> packed groups (zero rows pad the last group).

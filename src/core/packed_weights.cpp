@@ -29,7 +29,8 @@ void PackedProjection::allocate(const FormatTraits& format, int experts, int row
   held = held_;
   const HeldLayouts* layouts = format.held_layouts;
   group_bytes = layouts ? layouts->group_bytes(held, k) : format.group_bytes(k);
-  group_scale_bytes = layouts ? layouts->group_scale_bytes(held, k, scale_group) : format.group_scale_bytes(k, scale_group);
+  group_scale_bytes =
+      layouts ? layouts->group_scale_bytes(held, k, scale_group) : format.group_scale_bytes(k, scale_group);
   reserve_on_huge_pages(values, size_t(experts) * packed_groups(rows) * group_bytes);
   reserve_on_huge_pages(scales, size_t(experts) * packed_groups(rows) * group_scale_bytes);
   has_zeros = zero_points;

@@ -159,8 +159,9 @@ class GgufBenchKind:
 
     @property
     def value_range(self) -> tuple[int, int]:
+        """Unsigned where there are mins and they fit an int8 (as Q4_K's), else signed."""
         top = 2**self.bits
-        return (0, top - 1) if self.mins else (-top // 2, top // 2 - 1)
+        return (0, top - 1) if self.mins and self.bits < 8 else (-top // 2, top // 2 - 1)
 
     def bytes_per_weight(self) -> float:
         return held_bytes_per_weight(4 if self.bits <= 4 else 8, self.group, self.mins, self.factored)

@@ -2,6 +2,7 @@
 // inputs (w = q * scale + min), held as the data allows (HeldLayout; the layouts: kernels.h):
 // values as bytes (q + 128) or 4-bit indices into 16 levels, scales as fp32 or factored, mins left
 // out where all are 0. Every choice is exact, checked on the data at load.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -96,7 +97,7 @@ bool factor(const float* values, int n, float& factor_out, int8_t* multiples, in
 template <class Visit>
 bool for_each_block(const float* pairs, size_t rows, int k, int scale_group, bool mins, Visit visit) {
   const int groups = k / scale_group, per_block = kGgufBlockInputs / scale_group;
-  float values[kGgufBlockInputs / 16];
+  float values[kGgufBlockInputs / 16];  // 16: the smallest scale group
   for (size_t row = 0; row < rows; ++row)
     for (int first = 0; first < groups; first += per_block)
       for (int entry = 0; entry < gguf_entries(mins); ++entry) {
@@ -184,7 +185,8 @@ void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, 
 void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* scale_bytes, int rows, int k,
                int scale_group, uint8_t* packed, uint8_t* packed_scales) {
   const int8_t* q = reinterpret_cast<const int8_t*>(values);
-  const size_t value_bytes = held_group_bytes(layout, k), scale_bytes_per_group = held_group_scale_bytes(layout, k, scale_group);
+  const size_t value_bytes = held_group_bytes(layout, k);
+  const size_t scale_bytes_per_group = held_group_scale_bytes(layout, k, scale_group);
   uint8_t index_of[256] = {};  // level + 128 -> its first index
   for (int i = kLevels - 1; i >= 0; --i) index_of[uint8_t(layout.levels[i])] = uint8_t(i);
   // Padding rows have scale and min 0: any value is weight 0.
