@@ -219,6 +219,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("zeros", ["-0", "+0 and -0"])
+def test_a_block_of_zero_scales_comes_back_with_its_signs(zeros):
+    """A block whose scales are all zeros stays factored where they share a sign (the factor is
+    that zero), and falls back to fp32 scales where they do not: bit for bit either way."""
+    tensors = list(problem((32, 32), True, seed=9, factored=True))
+    values, pairs = tensors[0]
+    pairs = pairs.clone()
+    block = pairs[3, 16, 0:16:2]  # row 16's first 8 scales (256 inputs)
+    block[:] = -0.0
+    if zeros == "+0 and -0":
+        block[1] = 0.0
+    tensors[0] = (values, pairs)
+    factored = zeros == "-0"
+    gate_up = [held_bytes(INTER, HIDDEN, 32, False, f, True) for f in (factored, True)]
+    assert engine_bytes(*tensors) == EXPERTS * (
+        gate_up[0] + gate_up[1] + held_bytes(HIDDEN, INTER, 32, False, True, True)
+    )
+    assert same_bits(unpacked(tensors, "gate", 0, HIDDEN)[1], pairs[3, 16:32])
+
+
 def unpacked(tensors, name: str, k0: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows 16..31 of expert 3's `name` projection, inputs [k0, k0 + cols), as MoEEngine.unpack
     gives them back (what the GPU write-back reads): values and (scale, min) pairs."""

@@ -63,9 +63,11 @@ bool factor(const float* values, int n, float& factor_out, int8_t* multiples, in
   for (int i = 1; i < n; ++i)
     if (std::fabs(values[i]) > std::fabs(values[largest])) largest = i;
   const float top = values[largest];
-  if (top == 0.0f) {
-    factor_out = 0.0f;
+  if (top == 0.0f) {  // all +0 or -0: a factor of 0 with their sign, where they share one
+    factor_out = values[0];
     std::memset(multiples, 0, n);
+    for (int i = 0; i < n; ++i)
+      if (std::bit_cast<uint32_t>(values[i]) != std::bit_cast<uint32_t>(values[0])) return false;
     return true;
   }
   const auto try_multiple = [&](int m) {
