@@ -95,13 +95,12 @@ struct GgufFormat {
   // branch here, not a template parameter: tiles compiled apart per layout ran a factored prefill 5 %
   // slower (T = 512, avx512, one process, interleaved), the fp32 one no faster.
   static typename V::Float entry(const PackedGroups& w, const uint8_t* group_scales, int s, int entry, int first_row) {
-    const int entries = gguf_entries(w.mins);
     const float* floats = reinterpret_cast<const float*>(group_scales);
-    if (!w.factored_scales) return V::load_ps(floats + (s * entries + entry) * kGroupRows + first_row);
-    const int block = s * w.scale_group / kGgufBlockInputs;
+    const int at = gguf_entry_index(s, entry, w.mins) + first_row;
+    if (!w.factored_scales) return V::load_ps(floats + at);
     const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
-    return V::mul(V::int8_to_float(multiples + (s * entries + entry) * kGroupRows + first_row),
-                  V::load_ps(floats + (block * entries + entry) * kGroupRows + first_row));
+    return V::mul(V::int8_to_float(multiples + at),
+                  V::load_ps(floats + gguf_factor_index(s, entry, w.scale_group, w.mins) + first_row));
   }
 };
 

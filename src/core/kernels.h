@@ -187,6 +187,13 @@ constexpr int kGgufBlockInputs = 256;
 inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
 // Entries per scale group: a scale, and a min unless they are left out.
 constexpr int gguf_entries(bool mins) { return mins ? 2 : 1; }
+// Where scale group s's entry (0: its scales, 1: its mins) starts in one group's packed scales:
+// unfactored, the index of its fp32s; factored, of its int8 multiples (past gguf_multiples_offset).
+inline int gguf_entry_index(int s, int entry, bool mins) { return (s * gguf_entries(mins) + entry) * kGroupRows; }
+// Factored: the index of the fp32 factors of scale group s's entry.
+inline int gguf_factor_index(int s, int entry, int scale_group, bool mins) {
+  return gguf_entry_index(s * scale_group / kGgufBlockInputs, entry, mins);
+}
 // Where a group's int8 multiples start, in factored scales.
 inline size_t gguf_multiples_offset(int k, bool mins) {
   return size_t(ceil_div(k, kGgufBlockInputs)) * gguf_entries(mins) * kGroupRows * sizeof(float);

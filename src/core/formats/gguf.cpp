@@ -166,7 +166,7 @@ void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, 
       for (int s = 0; s < groups; ++s)
         for (int entry = 0; entry < entries; ++entry) {
           entries_of(group_pairs + r * groups * 2, s, 1, entry, values);
-          floats[(s * entries + entry) * kGroupRows + r] = values[0];
+          floats[gguf_entry_index(s, entry, layout.mins) + r] = values[0];
         }
     return;
   }
@@ -177,9 +177,9 @@ void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, 
                  [&](size_t r, int block, int first, int n, int entry, const float* v) {
                    float f;
                    factor(v, n, f, block_multiples, hints[entry]);  // factors: checked by layout_of
-                   floats[(block * entries + entry) * kGroupRows + r] = f;
+                   floats[gguf_entry_index(block, entry, layout.mins) + r] = f;
                    for (int i = 0; i < n; ++i)
-                     multiples[((first + i) * entries + entry) * kGroupRows + r] = block_multiples[i];
+                     multiples[gguf_entry_index(first + i, entry, layout.mins) + r] = block_multiples[i];
                    return true;
                  });
 }
@@ -216,12 +216,11 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
 // Row r's scale (entry 0) or packed min (entry 1, where held) of scale group s, from one group's
 // packed scales.
 float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, int s, int entry) {
-  const int entries = gguf_entries(w.mins);
   const float* floats = reinterpret_cast<const float*>(group_scales);
-  if (!w.factored_scales) return floats[(s * entries + entry) * kGroupRows + r];
+  const int at = gguf_entry_index(s, entry, w.mins) + r;
+  if (!w.factored_scales) return floats[at];
   const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
-  const int block = s * w.scale_group / kGgufBlockInputs;
-  return float(multiples[(s * entries + entry) * kGroupRows + r]) * floats[(block * entries + entry) * kGroupRows + r];
+  return float(multiples[at]) * floats[gguf_factor_index(s, entry, w.scale_group, w.mins) + r];
 }
 
 void unpack(const PackedGroups& w, const UnpackRegion& region) {
