@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_stream import Fake, build_fake
 
 from kt_kernel.loader import REQUIRED_FLAGS, VARIANTS, cpu_flags, missing_flags
 
@@ -31,6 +32,21 @@ def run_python(
     return subprocess.run(
         [sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
+
+
+@pytest.fixture(scope="session")
+def fake_library(tmp_path_factory) -> str:
+    # One library for the session: the process loads the runtime once, at its first call with a stream.
+    return build_fake(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture(scope="module")
+def fake(fake_library):
+    """The stand-in CUDA runtime (tests/fake_stream.py), loaded by the first call with a stream."""
+    library = fake_library
+    os.environ["KT_KERNEL_CUDART"] = library  # the runtime is loaded once, at the first call with a stream
+    yield Fake(library)
+    del os.environ["KT_KERNEL_CUDART"]  # later modules: CPU tensors with a stream run directly again
 
 
 __all__ = ["HOST_FLAGS", "REPO", "REQUIRED_FLAGS", "VARIANTS", "run_python", "skip_unless_cpu_runs"]

@@ -24,6 +24,10 @@ void bind_stream_calls(nb::module_& m) {
         "Load the CUDA runtime (KT_KERNEL_CUDART, else the libcudart this process has loaded) and return its path; "
         "RuntimeError where there is none.");
 
+  m.def("queue_fence", &kt::queue_fence, nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>(),
+        "Queue a fence on the stream and return its id (0: the stream is being captured, try later).");
+  m.def("fence_passed", &kt::fence_passed, nb::arg("fence"), "Whether the stream has run the fence.");
+
   nb::class_<kt::StreamLayer>(m, "StreamLayer")
       .def_static(
           "create",
@@ -52,7 +56,8 @@ void bind_stream_calls(nb::module_& m) {
           },
           nb::call_guard<nb::gil_scoped_release>(),
           "Queue the input copies and the host function that starts the task; returns the call's handle. "
-          "gpu_mask: the address of num_experts bools, read now (0: keep the engines' set).")
+          "gpu_mask: the address of num_experts bools, read each time the task starts (also at every replay of "
+          "a CUDA graph): the caller keeps it alive (0: keep the engines' set).")
       .def(
           "sync",
           [](kt::StreamLayer& self, uintptr_t call, uintptr_t stream, uintptr_t device_out) {
@@ -60,6 +65,13 @@ void bind_stream_calls(nb::module_& m) {
           },
           nb::call_guard<nb::gil_scoped_release>(),
           "Queue the host function that waits for the call, then the copy of its output to device_out.")
+      .def(
+          "drop_deferred",
+          [](kt::StreamLayer& self, uintptr_t call, uintptr_t stream) {
+            self.drop_deferred(address<kt::StreamCall>(call), stream);
+          },
+          nb::call_guard<nb::gil_scoped_release>(),
+          "Queue the host function that waits for the call's deferred experts, which no later call adds.")
       .def("rethrow_error", &kt::StreamLayer::rethrow_error, "Raise the first error a host function met, once.")
       .def_prop_ro("outstanding", &kt::StreamLayer::outstanding)
       .def_prop_ro("queued", &kt::StreamLayer::queued)

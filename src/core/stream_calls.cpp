@@ -81,11 +81,7 @@ StreamCall* StreamLayer::submit(uintptr_t stream, int tokens, const StreamInputs
   call->has_deferred = inputs.deferred_ids != nullptr;
   call->captured = false;  // until the host function is queued: a failed call is reused
   call->adds = adds;
-  // The mask as it is now: the caller may change or replace its storage before the stream gets here.
-  if (inputs.gpu_mask)
-    call->gpu_mask.assign(inputs.gpu_mask, inputs.gpu_mask + num_experts_);
-  else
-    call->gpu_mask.clear();
+  call->gpu_mask = inputs.gpu_mask;  // read when the task starts, at every replay of a graph
   const size_t routes = size_t(tokens) * top_k_;
   try {
     cuda.copy_async(slot.x, inputs.x, size_t(tokens) * hidden_ * sizeof(bf16_t), as_stream(stream));
@@ -101,11 +97,36 @@ StreamCall* StreamLayer::submit(uintptr_t stream, int tokens, const StreamInputs
     release(call);
     throw;
   }
-  if (!captured) {
-    std::lock_guard<std::mutex> lock(*state_mutex_);
-    ++queued_;
-  }
+  count_queued(captured);
   return call;
+}
+
+void StreamLayer::count_queued(bool captured) {
+  std::lock_guard<std::mutex> lock(*state_mutex_);
+  if (!captured) ++queued_;
+}
+
+void StreamLayer::count_completed(bool captured) {
+  std::lock_guard<std::mutex> lock(*state_mutex_);
+  if (!captured) ++completed_;
+}
+
+void StreamLayer::drop_deferred(StreamCall* call, uintptr_t stream) {
+  if (!call || call->owner != this || !call->has_deferred)
+    throw std::invalid_argument("drop_deferred of a call without deferred experts of this layer");
+  const CudaRuntime& cuda = CudaRuntime::get();
+  const bool captured = cuda.capturing(as_stream(stream));
+  cuda.launch_host_func(as_stream(stream), &StreamLayer::on_drop, call);
+  count_queued(captured);
+}
+
+void StreamLayer::on_drop(void* data) {
+  StreamCall& call = *static_cast<StreamCall*>(data);
+  // Captured: a replay queues this again; the record stays (captured records are never reused).
+  const bool captured = call.captured;
+  StreamLayer& layer = *call.owner;
+  layer.collect_deferred(call, nullptr);
+  layer.count_completed(captured);
 }
 
 void StreamLayer::sync(StreamCall* call, uintptr_t stream, void* device_out) {
@@ -140,7 +161,10 @@ void StreamLayer::start(StreamCall& call) {
     }
     const bf16_t* x = static_cast<const bf16_t*>(call.slot.x);
     const float* weights = static_cast<const float*>(call.slot.weights);
-    if (!call.gpu_mask.empty()) layer_->set_gpu_experts(call.gpu_mask.data());
+    if (call.gpu_mask) {  // one copy, so that the engines see one mask whatever the caller does meanwhile
+      call.mask_now.assign(call.gpu_mask, call.gpu_mask + num_experts_);
+      layer_->set_gpu_experts(call.mask_now.data());
+    }
     layer_->submit(x, call.tokens, ids, weights, call.slot.out);
     running_ = &call;
     if (call.has_deferred) {  // queued behind the call above on the same threads, as on the CPU path
@@ -176,15 +200,15 @@ void StreamLayer::finish(StreamCall& call) {
         std::runtime_error("the deferred experts this call adds (of the layer before) did not run; see that "
                            "layer's error")));
   }
-  if (!ok && !closed) {  // never a silent wrong result on the GPU: NaN, and the error at the next sync
+  // Never a silent wrong result on the GPU: NaN, and the error at the next sync (a closed layer's
+  // call has no result: NaN, never the slot's last output; close() warned).
+  if (!ok) {
     const size_t values = size_t(call.tokens) * hidden_;
     for (size_t i = 0; i < values; ++i) call.slot.out[i] = 0x7FC0;
   }
-  {
-    std::lock_guard<std::mutex> lock(*state_mutex_);
-    if (!call.captured) ++completed_;
-  }
-  if (!call.has_deferred) release(&call);  // else its consumer releases it (collect_deferred)
+  const bool captured = call.captured;
+  if (!call.has_deferred) release(&call);  // else its consumer releases it (collect_deferred, on_drop)
+  count_completed(captured);
 }
 
 void StreamLayer::finish_deferred_locked() {
@@ -260,6 +284,44 @@ void StreamLayer::close() {
   }
   closed_.store(true);
   layer_ = deferred_ = nullptr;
+}
+
+namespace {
+
+// Every fence of the process: never freed (a byte each; fences are queued at close and buffer
+// clearing, not per call), so a host function never writes freed memory.
+std::mutex& fences_mutex() {
+  static std::mutex* mutex = new std::mutex;
+  return *mutex;
+}
+
+std::deque<std::atomic<bool>>& fences() {
+  static auto* all = new std::deque<std::atomic<bool>>;
+  return *all;
+}
+
+void on_fence(void* flag) { static_cast<std::atomic<bool>*>(flag)->store(true); }
+
+}  // namespace
+
+uint64_t queue_fence(uintptr_t stream) {
+  const CudaRuntime& cuda = CudaRuntime::get();
+  if (cuda.capturing(as_stream(stream))) return 0;
+  std::atomic<bool>* flag;
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(fences_mutex());
+    flag = &fences().emplace_back(false);
+    id = fences().size();
+  }
+  cuda.launch_host_func(as_stream(stream), &on_fence, flag);
+  return id;
+}
+
+bool fence_passed(uint64_t fence) {
+  std::lock_guard<std::mutex> lock(fences_mutex());
+  if (fence == 0 || fence > fences().size()) throw std::invalid_argument("not a fence");
+  return fences()[fence - 1].load();
 }
 
 KT_NAMESPACE_END

@@ -38,7 +38,9 @@ struct StreamInputs {
   const void* weights = nullptr;
   const void* deferred_ids = nullptr;
   bool ids_int32 = false;
-  const uint8_t* gpu_mask = nullptr;  // num_experts bytes, copied at submit (null: keep the set)
+  // The caller's live mask, num_experts bytes, read each time the task starts (a CUDA graph replays
+  // with the mask of that moment, as upstream's): the caller keeps this memory alive. Null: keep the set.
+  const uint8_t* gpu_mask = nullptr;
 };
 
 class StreamLayer;
@@ -55,7 +57,8 @@ struct StreamCall {
   StreamCall* adds = nullptr;     // the call (of the layer before) whose deferred output this call adds
   bool deferred_done = false;     // its deferred task finished (collected early when a call of the same layer starts)
   std::vector<int64_t> wide_ids;  // int32 ids widened for the engine
-  std::vector<uint8_t> gpu_mask;  // the GPU experts as the caller's mask held them at submit (or empty)
+  const uint8_t* gpu_mask = nullptr;  // the caller's live mask (StreamInputs::gpu_mask)
+  std::vector<uint8_t> mask_now;      // what it held when the task started
 };
 
 // The stream path of one layer (a KTMoEWrapper): its engines and the calls queued on streams.
@@ -75,9 +78,12 @@ class StreamLayer {
   // of its output to `device_out`. Where the CPU task failed, the output is NaN and the error is
   // kept for rethrow_error().
   void sync(StreamCall* call, uintptr_t stream, void* device_out);
+  // `call` submitted with deferred experts that no later call adds (flush_deferred dropped them):
+  // queues on `stream` the host function that waits for them and frees the call's record.
+  void drop_deferred(StreamCall* call, uintptr_t stream);
   // Rethrows (once) the first error a host function met, if any.
   void rethrow_error();
-  // Calls queued outside a CUDA graph whose sync host function has not run yet.
+  // Calls (and dropped deferrals) queued outside a CUDA graph whose last host function has not run yet.
   uint64_t outstanding();
   // Calls queued outside a CUDA graph so far, and of them those whose sync host function has run
   // (they finish in order): the call that made queued() n is done once completed() >= n.
@@ -90,6 +96,9 @@ class StreamLayer {
   StreamLayer(MoESubpools* layer, MoESubpools* deferred, int num_experts, int hidden, int top_k);
   static void on_submit(void* call);
   static void on_sync(void* call);
+  static void on_drop(void* call);
+  void count_queued(bool captured);
+  void count_completed(bool captured);
   void start(StreamCall& call);
   // Waits for the deferred task in flight (its output stays in its slot for collect_deferred).
   void finish_deferred_locked();
@@ -119,5 +128,12 @@ class StreamLayer {
   uint64_t queued_ = 0, completed_ = 0;
   std::exception_ptr error_;
 };
+
+// Fences: a host function queued on a stream that marks when the stream has run everything queued
+// before it. Buffers that queued work may still use are freed only once a fence behind that work
+// has passed (kt_kernel/stream_path.py). Returns 0 where the stream is being captured (a fence
+// there would be recorded into the graph): try again later.
+uint64_t queue_fence(uintptr_t stream);
+bool fence_passed(uint64_t fence);
 
 KT_NAMESPACE_END

@@ -138,7 +138,8 @@ def flush() -> torch.Tensor | None:
         if experts is None:
             return None
         if experts.stream_call is not None:
-            experts.stream_call = None
+            call, experts.stream_call = experts.stream_call, None
+            call.path.drop_deferred(call)  # waited for on the stream; their slot freed after
             raise RuntimeError(
                 f"layer {experts.layer_idx}'s deferred experts were queued on a CUDA stream and are "
                 "dropped: give the last layer of a stack on a stream max_deferred_experts_per_token=0"

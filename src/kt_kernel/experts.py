@@ -37,6 +37,8 @@ THREADS_PER_CPU_LIMIT = 4
 #: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
 #: that it needs about one part's tensors of memory beyond the packed layer.
 LOAD_PARTS = 16
+#: set_capture_batch_sizes takes batch sizes up to this (SGLang captures a few hundred at most).
+MAX_CAPTURE_BATCH_SIZE = 1 << 16
 #: Calls of up to this many tokens (decode) allocate the next call's output ahead (submit_forward).
 _SPARE_OUTPUT_MAX_TOKENS = 16
 
@@ -629,9 +631,8 @@ class KTMoEWrapper:
             return
         if self._stream is None:
             self._stream = stream_path.StreamForward(
-                self._layer, own and own.layer, self.num_experts, self.hidden_size,
-                self.num_experts_per_tok, self.layer_idx % 2,
-            )  # fmt: skip
+                self._layer, own and own.layer, self.num_experts, self.hidden_size, self.num_experts_per_tok
+            )
         pending = deferred.take_pending(self, own, x.shape[0], on_stream=True)
         adds = None if pending is None else pending.stream_call
         call = self._stream.submit(
@@ -642,7 +643,7 @@ class KTMoEWrapper:
             deferred_ids,
             adds,
             KTMoEWrapper._capture_batch_sizes,
-            self._gpu_mask_address,
+            self._gpu_experts_mask,
         )
         with deferred.LOCK:  # taken once this call is on its way, as on the direct path
             if pending is not None:
@@ -752,11 +753,7 @@ class KTMoEWrapper:
                     "scales only"
                 )
             fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
-            tp = require_int("gpu_tp_count", gpu_tp_count, 1)
-            down_group = self._scale_groups["down"]
-            if inter % tp or (inter // tp) % max(down_group, 1):
-                keep = f" into whole blocks of {down_group} inputs per down scale" if down_group else ""
-                raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
+            tp = self._write_parts(gpu_tp_count)
             expert = require_int("expert_id", expert_id, 0)
             if expert >= self.num_experts:
                 raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert}")
@@ -781,6 +778,27 @@ class KTMoEWrapper:
                 w13, s13, w2, s2,
             )  # fmt: skip
 
+    def _write_parts(self, gpu_tp_count: int) -> int:
+        tp, inter = require_int("gpu_tp_count", gpu_tp_count, 1), self.moe_intermediate_size
+        down_group = self._scale_groups["down"]
+        if inter % tp or (inter // tp) % max(down_group, 1):
+            keep = f" into whole blocks of {down_group} inputs per down scale" if down_group else ""
+            raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
+        return tp
+
+    def write_buffer_nbytes(self, gpu_tp_count: int) -> dict[str, int]:
+        """The bytes each buffer of one part needs for ``submit_write_weight_scale_to_buffer`` with the
+        weights as loaded: ``w13_weight``, ``w13_scale``, ``w2_weight``, ``w2_scale`` (0: no scales).
+        A ValueError where the loaded weights cannot be written in this method's layout."""
+        with self._lock:
+            self._require_idle("size the write-back buffers", stream_too=False)
+            if not self._loaded:
+                raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
+            return write_back.buffer_nbytes(
+                self._format, write_back.layout_of(self.method), self._write_parts(gpu_tp_count),
+                self.hidden_size, self.moe_intermediate_size, self._scale_groups,
+            )  # fmt: skip
+
     def sync_write_weight_scale_to_buffer(self) -> None:
         """Kept for upstream's call sequence: submit_write_weight_scale_to_buffer finished the work."""
 
@@ -788,21 +806,28 @@ class KTMoEWrapper:
         """Wait for a forward in flight, then free the weights and stop the worker threads.
 
         Later calls raise RuntimeError. Runs by itself when the wrapper is garbage-collected and,
-        for every wrapper still alive, when the interpreter exits."""
+        for every wrapper still alive, when the interpreter exits. Calls still queued on a CUDA
+        stream then give NaN (a RuntimeWarning says so)."""
+        self._close(warn=True)
+
+    def _close(self, warn: bool) -> None:
         with self._lock:
+            if self._layer is None:
+                return  # closed before
             own = self._deferred
             try:
                 if self._stream is not None:  # queued host functions of this layer do nothing from now on
-                    self._stream.close(
-                        self._in_flight if isinstance(self._in_flight, stream_path.StreamCall) else None
-                    )
-                    if own is not None and own.stream_call is not None:
-                        stream_path.BUFFERS.retire(own.stream_call.slot)
+                    deferring = None
+                    if own is not None:
+                        with deferred.LOCK:
+                            deferring, own.stream_call = own.stream_call, None
+                    in_flight = self._in_flight
+                    self._stream.close(in_flight if isinstance(in_flight, stream_path.StreamCall) else None,
+                                       deferring, warn)  # fmt: skip
                 elif self._in_flight is not None and self._in_flight.shape[0] > 0:
                     self._layer.sync()
                 with deferred.LOCK:
                     if own is not None:
-                        own.stream_call = None
                         if deferred.pending() is own:  # nobody will add them now
                             deferred.set_pending(None)
                         if own.out is not None:  # a later call took them: it gets them still
@@ -847,8 +872,15 @@ class KTMoEWrapper:
     # ---- upstream class-level buffer management ------------------------------------------------
     @classmethod
     def set_capture_batch_sizes(cls, batch_sizes: Sequence[int]) -> None:
-        """Record the batch sizes a CUDA-graph runner captures (kept for upstream compatibility)."""
-        cls._capture_batch_sizes = [require_int("batch size", int(b), 1) for b in batch_sizes]
+        """Record the batch sizes a CUDA-graph runner captures: the stream path allocates their
+        buffers ahead, outside any capture. Ints from 1 to MAX_CAPTURE_BATCH_SIZE."""
+        sizes = list(batch_sizes)
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_CAPTURE_BATCH_SIZE:
+                raise ValueError(
+                    f"capture batch sizes must be ints from 1 to {MAX_CAPTURE_BATCH_SIZE}, got {size!r}"
+                )
+        cls._capture_batch_sizes = sizes
 
     @classmethod
     def get_capture_batch_sizes(cls) -> list[int]:
@@ -856,23 +888,14 @@ class KTMoEWrapper:
 
     @classmethod
     def clear_buffer_cache(cls) -> None:
-        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand), and
-        the stream path's host and device buffers when no call on a stream is queued (CUDA graphs
-        captured before refer to them: capture again). A wrapper busy on another thread keeps its
-        buffers."""
-        busy_streams = False
+        """Free the per-call scratch buffers of every idle wrapper (they grow back on demand; a
+        wrapper busy on another thread keeps its own), and let go of the stream path's host and
+        device buffers: each is freed once the work queued on its streams so far has run (CUDA graphs
+        captured before use them: capture again)."""
         for wrapper in list(cls._instances):
             if not wrapper._lock.acquire(blocking=False):
-                busy_streams |= wrapper._stream is not None
                 continue
             try:
-                stream = wrapper._stream
-                busy_streams |= stream is not None and (
-                    wrapper._in_flight is not None
-                    or wrapper._deferred is not None
-                    and wrapper._deferred.stream_call is not None
-                    or stream.layer.outstanding > 0
-                )
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()
                     wrapper._spare_out, wrapper._spare_tokens = None, -1
@@ -882,13 +905,13 @@ class KTMoEWrapper:
                             own.layer.release_scratch()
             finally:
                 wrapper._lock.release()
-        if not busy_streams:
-            stream_path.BUFFERS.clear()
+        stream_path.BUFFERS.clear()
 
     @classmethod
     def _close_all(cls) -> None:
         for wrapper in list(cls._instances):
-            wrapper.close()
+            wrapper._close(warn=False)  # the process is ending: no output is read any more
+        stream_path.BUFFERS.keep_at_exit()  # a stream may still run copies into them
 
     @classmethod
     def _after_fork_in_child(cls) -> None:

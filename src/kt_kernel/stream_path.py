@@ -8,20 +8,27 @@ CPU task, and a CUDA graph that captures the calls replays them. The CUDA runtim
 here, at the first call with a stream (``ext.cuda_runtime_path``): the extension is compiled
 without CUDA.
 
-Buffers are shared by every layer, as upstream's: host buffers are taken per call from a pool per
-batch size and given back at sync, which is safe because everything that uses them is ordered on
-the stream; device outputs are kept per (device, batch size, layer parity), so the output a sync
-returns stays valid until the sync of the same batch size two layers later. Calls on several
-streams share them too (a CUDA graph is captured on a stream of its own): the caller orders such
-streams (wait_stream), as SGLang's one forward stream does.
+Buffers live in stream order (docs/serving.md, "Buffers on a stream"):
+- host slots (a call's inputs and output on the host) come from a pool per batch size shared by
+  every layer, taken at submit and given back at sync: whatever takes a slot next queues its copies
+  after that sync on the stream, so nothing is overwritten early (calls on several streams: the
+  caller orders the streams, as SGLang's wait_stream does);
+- device outputs are a pair per (thread, batch size, device), used in turn: the tensor a sync
+  returns holds its output until the second next sync of that batch size on the same thread, so
+  two threads driving their own stacks on one stream never share an output;
+- a buffer that queued work may still use (a closed layer's, a dropped deferral's, everything
+  clear_buffer_cache lets go) is never freed at once: it is retired with a fence queued behind that
+  work on each stream it was used on, and freed once every fence has passed.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -94,20 +101,77 @@ class Slot:
     deferred_out: torch.Tensor | None = None  # bf16 [T, H]
 
 
-def _host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    # Pinned memory makes the copies asynchronous and capturable; without CUDA (the stand-in runtime
-    # of the tests) plain memory does.
-    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A host buffer (pinned where torch has CUDA: the copies are then asynchronous and capturable;
+    without CUDA, the stand-in runtime of the tests, plain memory does) or a device output."""
+    try:
+        if device is not None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        size = torch.Size(shape).numel() * dtype.itemsize
+        where = "host" if device is None else str(device)
+        raise MemoryError(
+            f"the stream path cannot allocate a {where} buffer of {size} bytes: {error}"
+        ) from None
+
+
+class Retired:
+    """Buffers queued work may still use, each kept until a fence behind that work has passed on
+    every stream it was used on (stream_calls.h: queue_fence)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        # [buffers, {stream: fence id, or 0 while the stream was being captured}]
+        self._entries: list[tuple[object, dict[int, int]]] = []
+
+    def add(self, buffers: object, streams: set[int]) -> None:
+        if not streams:
+            return  # never queued anywhere
+        fences = {stream: self._fence(stream) for stream in streams}
+        with self.lock:
+            self._entries.append((buffers, fences))
+
+    @staticmethod
+    def _fence(stream: int) -> int:
+        try:
+            return ext.queue_fence(stream)
+        except RuntimeError:
+            return 0  # the runtime refused it now: tried again at the next collect
+
+    def collect(self) -> None:
+        """Free what every fence lets go; fence again where a stream was being captured."""
+        with self.lock:
+            kept = []
+            for buffers, fences in self._entries:
+                for stream, fence in fences.items():
+                    if fence == 0:
+                        fences[stream] = self._fence(stream)
+                if not all(fence and ext.fence_passed(fence) for fence in fences.values()):
+                    kept.append((buffers, fences))
+            self._entries = kept
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def keep_forever(buffers: object) -> None:
+    """At interpreter exit: a stream may still run queued copies after Python has gone, so what they
+    may touch is never freed (one reference more, taken at the C level, that nothing gives back)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(buffers))
 
 
 class StreamBuffers:
-    """The process's host slots and device outputs, shared by every layer (see the module doc)."""
+    """The process's host slots and device outputs (see the module doc)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self._free: dict[tuple, list[Slot]] = {}
-        self._outputs: dict[tuple, torch.Tensor] = {}
-        self._retired: list[Slot] = []  # slots queued copies may still write (a layer closed mid-call)
+        self._outputs: dict[tuple, list[torch.Tensor]] = {}  # (thread, T, H, device) -> the pair
+        self._turns: dict[tuple, int] = {}  # which of the pair the next sync takes
+        self.streams: set[int] = set()  # every stream the buffers above were used on
+        self.generation = 0  # increased by clear(): what was prepared ahead is gone
+        self.retired = Retired()
 
     def acquire(self, tokens: int, hidden: int, top_k: int, deferred: bool) -> Slot:
         with self.lock:
@@ -115,53 +179,74 @@ class StreamBuffers:
             slot = free.pop() if free else None
         if slot is None:
             slot = Slot(
-                _host((tokens, hidden), torch.bfloat16), _host((tokens, top_k), torch.int64),
-                _host((tokens, top_k), torch.float32), _host((tokens, hidden), torch.bfloat16),
+                _allocate((tokens, hidden), torch.bfloat16), _allocate((tokens, top_k), torch.int64),
+                _allocate((tokens, top_k), torch.float32), _allocate((tokens, hidden), torch.bfloat16),
             )  # fmt: skip
         if deferred and slot.deferred_ids is None:
-            slot.deferred_ids = _host((tokens, top_k), torch.int64)
-            slot.deferred_out = _host((tokens, hidden), torch.bfloat16)
+            slot.deferred_ids = _allocate((tokens, top_k), torch.int64)
+            slot.deferred_out = _allocate((tokens, hidden), torch.bfloat16)
         return slot
+
+    def used_on(self, stream: int) -> None:
+        with self.lock:
+            self.streams.add(stream)
 
     def release(self, slot: Slot) -> None:
         tokens, hidden = slot.x.shape
         with self.lock:
             self._free.setdefault((tokens, hidden, slot.ids.shape[1]), []).append(slot)
 
-    def retire(self, slot: Slot) -> None:
-        with self.lock:
-            self._retired.append(slot)
+    def retire(self, slot: Slot | None, stream: int) -> None:
+        """A slot queued work on `stream` may still use: freed once the stream has run that work."""
+        if slot is not None:
+            self.retired.add(slot, {stream})
 
-    def output(self, tokens: int, hidden: int, device: torch.device, parity: int) -> torch.Tensor:
-        key = (tokens, hidden, device, parity)
-        out = self._outputs.get(key)
-        if out is None:
+    def output(self, tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+        """The device output of this thread's next sync of `tokens` tokens (one of a pair, in turn)."""
+        key = (threading.get_ident(), tokens, hidden, device)
+        with self.lock:
+            pair = self._outputs.get(key)
+            turn = self._turns.get(key, 0)
+            self._turns[key] = turn ^ 1
+        if pair is None:
+            pair = [_allocate((tokens, hidden), torch.bfloat16, device) for _ in range(2)]
             with self.lock:
-                out = self._outputs.setdefault(
-                    key, torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device)
-                )
-        return out
+                pair = self._outputs.setdefault(key, pair)
+        return pair[turn]
 
     def prepare(
         self, sizes: list[int], hidden: int, top_k: int, device: torch.device, deferred: bool
     ) -> None:
         """Allocate ahead what calls of these batch sizes use (allocating while a CUDA graph is
-        captured may fail): one slot (two with deferred experts) and both device outputs each."""
+        captured may fail): one slot (two with deferred experts) and this thread's output pair."""
         for tokens in sizes:
             slots = [self.acquire(tokens, hidden, top_k, deferred) for _ in range(1 + deferred)]
             for slot in slots:
                 self.release(slot)
-            for parity in (0, 1):
-                self.output(tokens, hidden, device, parity)
+            key = (threading.get_ident(), tokens, hidden, device)
+            if key not in self._outputs:
+                pair = [_allocate((tokens, hidden), torch.bfloat16, device) for _ in range(2)]
+                with self.lock:
+                    self._outputs.setdefault(key, pair)
 
     def clear(self) -> None:
+        """Let go of every free slot and every output: retired behind the work queued so far on every
+        stream they were used on (CUDA graphs captured before use them: capture again)."""
         with self.lock:
-            self._free.clear()
-            self._outputs.clear()
-            self._retired.clear()
+            buffers = (self._free, self._outputs)
+            streams = self.streams
+            self._free, self._outputs, self._turns, self.streams = {}, {}, {}, set()
+            self.generation += 1
+        self.retired.add(buffers, streams)
+        self.retired.collect()
+
+    def keep_at_exit(self) -> None:
+        with self.lock:
+            keep_forever((self._free, self._outputs, self.retired._entries))
 
     def after_fork_in_child(self) -> None:
         self.lock = threading.Lock()
+        self.retired.lock = threading.Lock()
 
 
 BUFFERS = StreamBuffers()
@@ -178,29 +263,39 @@ class StreamCall:
     slot: Slot | None
     adds: StreamCall | None  # the call of the layer before whose deferred output this one adds
     deferred: bool
+    path: StreamForward | None = None  # the layer's stream path that submitted it
 
 
 class StreamForward:
     """One layer's stream path: its C++ StreamLayer and the host tensors its queued copies read."""
 
-    def __init__(self, layer: Any, deferred_layer: Any, num_experts: int, hidden: int, top_k: int,
-                 parity: int) -> None:  # fmt: skip
+    def __init__(self, layer: Any, deferred_layer: Any, num_experts: int, hidden: int, top_k: int) -> None:
         self.layer = ext.StreamLayer.create(layer, deferred_layer, num_experts, hidden, top_k)
-        self.hidden, self.top_k, self.parity = hidden, top_k, parity
-        self._prepared: set[torch.device] = set()
+        self.hidden, self.top_k = hidden, top_k
+        self._prepared: dict[tuple[int, torch.device], int] = {}  # (thread, device) -> BUFFERS.generation
         # Host inputs a queued copy still reads, with the queued() count that makes them free.
         self._keep_alive: collections.deque[tuple[int, tuple[torch.Tensor, ...]]] = collections.deque()
+        # Every storage of the GPU-expert mask a call was given: its host function reads the mask
+        # when it runs, a captured one at every replay, so the memory stays.
+        self._masks: dict[int, torch.UntypedStorage] = {}
 
     def submit(self, stream: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                deferred_ids: torch.Tensor | None, adds: StreamCall | None,
-               capture_sizes: list[int], gpu_mask_address: int) -> StreamCall:  # fmt: skip
+               capture_sizes: list[int], gpu_mask: torch.Tensor) -> StreamCall:  # fmt: skip
         """Queue the call (inputs checked, contiguous, on one device: x bf16, ids int64 or int32,
-        weights float32, deferred_ids int64); the GPU-expert mask is read now, from its address."""
+        weights float32, deferred_ids int64); the GPU-expert mask (a checked CPU bool tensor) is read
+        when the CPU task starts."""
         tokens, device = x.shape[0], x.device
-        if device not in self._prepared:
+        BUFFERS.retired.collect()
+        prepared = (threading.get_ident(), device)
+        if self._prepared.get(prepared) != BUFFERS.generation:
             BUFFERS.prepare(capture_sizes, self.hidden, self.top_k, device, deferred_ids is not None)
-            self._prepared.add(device)
+            self._prepared[prepared] = BUFFERS.generation
+        mask_address = gpu_mask.data_ptr()
+        if mask_address not in self._masks:
+            self._masks[mask_address] = gpu_mask.untyped_storage()
         slot = BUFFERS.acquire(tokens, self.hidden, self.top_k, deferred_ids is not None)
+        BUFFERS.used_on(stream)
         deferred_address = 0 if deferred_ids is None else deferred_ids.data_ptr()
         try:
             handle = self.layer.submit(
@@ -208,26 +303,26 @@ class StreamForward:
                 deferred_address, slot.x.data_ptr(), slot.ids.data_ptr(), slot.weights.data_ptr(),
                 0 if slot.deferred_ids is None else slot.deferred_ids.data_ptr(), slot.out.data_ptr(),
                 0 if slot.deferred_out is None else slot.deferred_out.data_ptr(),
-                0 if adds is None else adds.handle, gpu_mask_address,
+                0 if adds is None else adds.handle, mask_address,
             )  # fmt: skip
         except BaseException:
-            BUFFERS.retire(slot)  # copies queued before the failure may still write it
+            BUFFERS.retire(slot, stream)  # copies queued before the failure may still write it
             raise
         if device.type == "cpu":  # no caching allocator orders their reuse after the copies
             done = self.layer.completed
             while self._keep_alive and self._keep_alive[0][0] <= done:
                 self._keep_alive.popleft()
             self._keep_alive.append((self.layer.queued, (x, ids, weights, deferred_ids)))
-        return StreamCall(stream, handle, tokens, device, slot, adds, deferred_ids is not None)
+        return StreamCall(stream, handle, tokens, device, slot, adds, deferred_ids is not None, self)
 
     def sync(self, call: StreamCall) -> torch.Tensor:
         """Queue the wait and the output copy; returns the device output. Raises the first error a
         host function of this layer met (of this call or an earlier one)."""
-        out = BUFFERS.output(call.tokens, self.hidden, call.device, self.parity)
+        out = BUFFERS.output(call.tokens, self.hidden, call.device)
         try:
             self.layer.sync(call.handle, call.stream, out.data_ptr())
         except BaseException:
-            BUFFERS.retire(call.slot)  # the call's copies were queued: the slot stays theirs
+            BUFFERS.retire(call.slot, call.stream)  # the call's copies were queued: the slot stays theirs
             raise
         # Whatever reuses these slots next is queued after this sync on the same stream.
         if not call.deferred:  # else held until the call that adds its deferred output syncs
@@ -237,9 +332,26 @@ class StreamForward:
         self.layer.rethrow_error()
         return out
 
-    def close(self, in_flight: StreamCall | None) -> None:
-        """Stop the layer's host functions (a CPU task in flight finishes); keep every slot a queued
-        copy may still write."""
+    def drop_deferred(self, call: StreamCall) -> None:
+        """No later call adds `call`'s deferred experts: queue the wait for them, then retire its slot."""
+        try:
+            self.layer.drop_deferred(call.handle, call.stream)
+        finally:
+            BUFFERS.retire(call.slot, call.stream)
+
+    def close(self, in_flight: StreamCall | None, deferring: StreamCall | None, warn: bool = True) -> None:
+        """Stop the layer's host functions (a CPU task in flight finishes; a sync still queued gives
+        NaN); retire the slots queued copies may still write: the call in flight (submitted, not
+        synced) and the call whose deferred experts nobody adds."""
+        if deferring is not None:
+            self.drop_deferred(deferring)
+        if warn and self.layer.outstanding:
+            warnings.warn(
+                "a layer closed with calls queued on a CUDA stream that has not run them: their outputs "
+                "will be NaN",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self.layer.close()
-        if in_flight is not None:
-            BUFFERS.retire(in_flight.slot)
+        if in_flight is not None and in_flight is not deferring:
+            BUFFERS.retire(in_flight.slot, in_flight.stream)

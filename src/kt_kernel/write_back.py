@@ -34,10 +34,7 @@ def _to_bf16(scales: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _fp8_blocks(scales: torch.Tensor, group: int) -> torch.Tensor:
-    """Per-row scales of 128-input groups -> one per 128 x 128 block (DeepSeek's, upstream's FP8);
-    per-channel scales (group 0) stay one per row (upstream's FP8_PERCHANNEL)."""
-    if group == 0:
-        return scales
+    """Per-row scales of 128-input groups -> one per 128 x 128 block (DeepSeek's, upstream's FP8)."""
     rows = scales.shape[0]
     first = scales[::FP8_BLOCK]
     if not torch.equal(first.repeat_interleave(FP8_BLOCK, dim=0)[:rows], scales):
@@ -49,15 +46,6 @@ def _fp8_blocks(scales: torch.Tensor, group: int) -> torch.Tensor:
     return first
 
 
-def _fp8_per_channel(scales: torch.Tensor, group: int) -> torch.Tensor:
-    if group != 0:
-        raise ValueError(
-            "upstream's FP8_PERCHANNEL buffers hold one scale per row, and these weights have one per "
-            f"{group} inputs (quantized here): load them with per-channel scales"
-        )
-    return scales
-
-
 @dataclass(frozen=True)
 class UpstreamLayout:
     """How a method's write-back differs from the canonical layout."""
@@ -67,13 +55,18 @@ class UpstreamLayout:
     values_xor: int = 0
     #: The rows of one part must fill whole blocks of this many (the block scales of FP8).
     part_rows: int = 1
+    #: The one scale group (inputs per scale; 0: one per row) upstream's buffers hold, or None: any.
+    scale_group: int | None = None
+    #: The converter may refuse the values of the scales: written only once every part is converted.
+    refuses_data: bool = False
 
 
 UPSTREAM_LAYOUTS: dict[str, UpstreamLayout] = {
     "MXFP4": UpstreamLayout(scales=_e8m0_to_bf16),  # codes as stored; scales bf16
     "RAWINT4": UpstreamLayout(scales=_to_bf16, values_xor=0x88),  # nibbles q + 8; scales bf16
-    "FP8": UpstreamLayout(scales=_fp8_blocks, part_rows=FP8_BLOCK),  # codes as stored; fp32 block scales
-    "FP8_PERCHANNEL": UpstreamLayout(scales=_fp8_per_channel),  # codes as stored; fp32 per row
+    # codes as stored; fp32 block scales
+    "FP8": UpstreamLayout(scales=_fp8_blocks, part_rows=FP8_BLOCK, scale_group=FP8_BLOCK, refuses_data=True),
+    "FP8_PERCHANNEL": UpstreamLayout(scale_group=0),  # codes as stored; fp32 per row
 }
 CANONICAL = UpstreamLayout()
 
@@ -84,6 +77,53 @@ def layout_of(method: str) -> UpstreamLayout:
 
 def _host_bytes(address: int, count: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(address))
+
+
+def check_layout(
+    fmt: WeightFormat, layout: UpstreamLayout, inter: int, tp: int, groups: dict[str, int]
+) -> None:
+    """ValueError, before anything is written, where the loaded weights cannot be written in the layout."""
+    part = inter // tp
+    if part % layout.part_rows:
+        raise ValueError(
+            f"gpu_tp_count={tp} leaves {part} intermediate rows per part; upstream's layout for this method "
+            f"needs a multiple of {layout.part_rows}"
+        )
+    if layout.scale_group is None or not fmt.scale_groups:
+        return
+    for name, group in groups.items():
+        if group != layout.scale_group:
+            want = "one per row" if layout.scale_group == 0 else f"one per {layout.scale_group} inputs"
+            have = "one per row" if group == 0 else f"one per {group} inputs"
+            raise ValueError(
+                f"upstream's {fmt.name} buffers for this method hold {want} scale, and {name} was loaded "
+                f"with {have}: load a checkpoint with the method's own scales"
+            )
+
+
+def _scale_bytes(fmt: WeightFormat, layout: UpstreamLayout, rows: int, inputs: int, group: int) -> int:
+    """Bytes of the scales of [rows, inputs] values in the layout (converted from canonical zeros)."""
+    canonical = torch.zeros(rows, fmt.canonical_scale_bytes(inputs, group), dtype=torch.uint8)
+    if layout.scales is None:
+        return canonical.numel()
+    converted = layout.scales(canonical.view(fmt.canonical_scale_dtype), group)
+    return converted.numel() * converted.element_size()
+
+
+def buffer_nbytes(
+    fmt: WeightFormat, layout: UpstreamLayout, tp: int, hidden: int, inter: int, groups: dict[str, int]
+) -> dict[str, int]:
+    """The bytes each of the four buffers of one part needs: ``w13_weight``, ``w13_scale``,
+    ``w2_weight``, ``w2_scale`` (scales 0 for formats without scales)."""
+    check_layout(fmt, layout, inter, tp, groups)
+    part, H = inter // tp, hidden
+    scaled = bool(fmt.scale_groups)
+    return {
+        "w13_weight": 2 * part * fmt.canonical_bytes(H),
+        "w13_scale": 2 * _scale_bytes(fmt, layout, part, H, groups["gate"]) if scaled else 0,
+        "w2_weight": H * fmt.canonical_bytes(part),
+        "w2_scale": _scale_bytes(fmt, layout, H, part, groups["down"]) if scaled else 0,
+    }
 
 
 def write_expert(
@@ -101,22 +141,26 @@ def write_expert(
 ) -> None:
     """Write physical slot ``expert`` into the tp = len(w13) parts' buffers (addresses checked by the
     caller), on the engines' threads. ``subpools``: each with its ``engine`` and its slice
-    [start, stop) of the intermediate rows; ``groups``: each projection's scale group."""
+    [start, stop) of the intermediate rows; ``groups``: each projection's scale group. Where it
+    raises a ValueError, nothing has been written."""
     tp, H = len(w13), hidden
+    check_layout(fmt, layout, inter, tp, groups)
     part = inter // tp
-    if part % layout.part_rows:
-        raise ValueError(
-            f"gpu_tp_count={tp} leaves {part} intermediate rows per part; upstream's layout for this method "
-            f"needs a multiple of {layout.part_rows}"
-        )
     gate_group, down_group = groups["gate"], groups["down"]
     h_bytes, h_scale_bytes = fmt.canonical_bytes(H), fmt.canonical_scale_bytes(H, gate_group)
     part_bytes, part_scale_bytes = fmt.canonical_bytes(part), fmt.canonical_scale_bytes(part, down_group)
     convert = layout.scales is not None and bool(fmt.scale_groups)
+    # Values go to the caller directly, or through scratch where a conversion may still refuse.
+    staged = convert and layout.refuses_data
+    writes: list[tuple[int, torch.Tensor]] = []  # (caller's address, bytes) once every part is converted
     for r in range(tp):
         # Scales go to the caller directly, or through canonical scratch rows to be converted.
         w13_scales = torch.empty(2 * part, h_scale_bytes, dtype=torch.uint8) if convert else None
         w2_scales = torch.empty(H, part_scale_bytes, dtype=torch.uint8) if convert else None
+        w13_values = torch.empty(2 * part * h_bytes, dtype=torch.uint8) if staged else None
+        w2_values = torch.empty(H * part_bytes, dtype=torch.uint8) if staged else None
+        w13_at = w13_values.data_ptr() if staged else w13[r]
+        w2_at = w2_values.data_ptr() if staged else w2[r]
         s13_at = w13_scales.data_ptr() if convert else s13[r]
         s2_at = w2_scales.data_ptr() if convert else s2[r]
         first, last = r * part, (r + 1) * part
@@ -127,25 +171,28 @@ def write_expert(
             for name, row in (("gate", lo - first), ("up", part + lo - first)):
                 sp.engine.unpack(
                     name, expert, lo - sp.start, hi - lo, 0, H,
-                    w13[r] + row * h_bytes, h_bytes, s13_at + row * h_scale_bytes, h_scale_bytes,
+                    w13_at + row * h_bytes, h_bytes, s13_at + row * h_scale_bytes, h_scale_bytes,
                 )  # fmt: skip
             # A per-row down scale is the same in every part.
             column = fmt.canonical_bytes(lo - first)
             scale_column = fmt.canonical_scale_bytes(lo - first, down_group) if down_group else 0
             sp.engine.unpack(
                 "down", expert, 0, H, lo - sp.start, hi - lo,
-                w2[r] + column, part_bytes, s2_at + scale_column, part_scale_bytes,
+                w2_at + column, part_bytes, s2_at + scale_column, part_scale_bytes,
             )  # fmt: skip
-        if layout.values_xor:
-            for address, count in ((w13[r], 2 * part * h_bytes), (w2[r], H * part_bytes)):
-                values = _host_bytes(address, count)
-                np.bitwise_xor(values, layout.values_xor, out=values)
+        if staged:
+            writes += [(w13[r], w13_values), (w2[r], w2_values)]
         if convert:
             scale_dtype = fmt.canonical_scale_dtype
             gate, up = w13_scales.view(scale_dtype).split(part)
-            for address, converted in (
-                (s13[r], torch.cat([layout.scales(gate, gate_group), layout.scales(up, gate_group)])),
-                (s2[r], layout.scales(w2_scales.view(scale_dtype), down_group)),
-            ):
-                data = converted.contiguous().view(torch.uint8)
-                ctypes.memmove(address, data.data_ptr(), data.numel())
+            w13_converted = [layout.scales(gate, gate_group), layout.scales(up, gate_group)]
+            writes.append((s13[r], torch.cat(w13_converted)))
+            writes.append((s2[r], layout.scales(w2_scales.view(scale_dtype), down_group)))
+    for address, converted in writes:
+        data = converted.contiguous().view(torch.uint8)
+        ctypes.memmove(address, data.data_ptr(), data.numel())
+    if layout.values_xor:
+        for r in range(tp):
+            for address, count in ((w13[r], 2 * part * h_bytes), (w2[r], H * part_bytes)):
+                values = _host_bytes(address, count)
+                np.bitwise_xor(values, layout.values_xor, out=values)

@@ -4,7 +4,12 @@
  * A stream handle is any pointer-sized value; each handle gets a FIFO served by one thread of its own,
  * started on first use. cudaLaunchHostFunc and cudaMemcpyAsync append to it; the thread runs the
  * entries in order. Test controls (fake_*) create handles, hold a stream (entries queue but do not
- * run) and release it, wait for it to drain, and count what ran. */
+ * run) and release it, wait for it to drain, and count what ran.
+ *
+ * CUDA graphs as the real runtime has them: between fake_capture_begin and fake_capture_end a
+ * stream is capturing (cudaStreamIsCapturing says so) and what is queued on it is recorded, not
+ * run; fake_graph_launch queues the recorded entries again, as they were, each time it is called
+ * (the same host functions with the same data, the same copies between the same addresses). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,8 +26,13 @@ struct entry {
   struct entry* next;
 };
 
+struct graph {
+  struct entry *head, *tail;
+};
+
 struct stream {
   uintptr_t handle;
+  struct graph* capturing; /* the graph being recorded, or NULL */
   pthread_cond_t changed;
   struct entry *head, *tail;
   int held, running, started;
@@ -81,9 +91,22 @@ static struct stream* find_locked(uintptr_t handle) {
   return s;
 }
 
+static void append(struct entry** head, struct entry** tail, struct entry* e) {
+  if (*tail)
+    (*tail)->next = e;
+  else
+    *head = e;
+  *tail = e;
+}
+
 static int enqueue(uintptr_t handle, struct entry* e) {
   pthread_mutex_lock(&lock);
   struct stream* s = find_locked(handle);
+  if (s->capturing) {
+    append(&s->capturing->head, &s->capturing->tail, e);
+    pthread_mutex_unlock(&lock);
+    return 0;
+  }
   if (!s->started) {
     pthread_t thread;
     if (pthread_create(&thread, NULL, serve, s) != 0) {
@@ -94,11 +117,7 @@ static int enqueue(uintptr_t handle, struct entry* e) {
     pthread_detach(thread);
     s->started = 1;
   }
-  if (s->tail)
-    s->tail->next = e;
-  else
-    s->head = e;
-  s->tail = e;
+  append(&s->head, &s->tail, e);
   pthread_cond_broadcast(&s->changed);
   pthread_mutex_unlock(&lock);
   return 0;
@@ -118,8 +137,9 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t bytes, int kind, void* st
 }
 
 int cudaStreamIsCapturing(void* stream, int* status) {
-  (void)stream;
-  *status = 0;
+  pthread_mutex_lock(&lock);
+  *status = find_locked((uintptr_t)stream)->capturing != NULL; /* cudaStreamCaptureStatusActive */
+  pthread_mutex_unlock(&lock);
   return 0;
 }
 
@@ -175,4 +195,32 @@ long fake_stream_queued(uintptr_t handle) {
   for (struct entry* e = find_locked(handle)->head; e; e = e->next) n++;
   pthread_mutex_unlock(&lock);
   return n;
+}
+
+/* ---- CUDA graphs ---- */
+
+void fake_capture_begin(uintptr_t handle) {
+  pthread_mutex_lock(&lock);
+  find_locked(handle)->capturing = calloc(1, sizeof(struct graph));
+  pthread_mutex_unlock(&lock);
+}
+
+/* Ends the capture; returns the graph (never freed: a test makes a few). */
+void* fake_capture_end(uintptr_t handle) {
+  pthread_mutex_lock(&lock);
+  struct stream* s = find_locked(handle);
+  struct graph* g = s->capturing;
+  s->capturing = NULL;
+  pthread_mutex_unlock(&lock);
+  return g;
+}
+
+/* Queues every entry of the graph on the stream, in the order they were recorded. */
+void fake_graph_launch(void* graph, uintptr_t handle) {
+  for (struct entry* recorded = ((struct graph*)graph)->head; recorded; recorded = recorded->next) {
+    struct entry* e = malloc(sizeof *e);
+    *e = *recorded;
+    e->next = NULL;
+    enqueue(handle, e);
+  }
 }
