@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The stream path on a real GPU, for a machine with a CUDA build of torch (not CI): builds and
-# installs the package, runs tests/test_gpu.py, then the --gpu bench rows. Under 8 minutes on a
+# installs the package, runs tests/test_gpu.py (CUDA graphs replayed across live expert-placement
+# updates among them), then the --gpu bench rows. Under 8 minutes on a
 # 16-core machine. Logs go to $OUT (default /tmp/kt_gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."

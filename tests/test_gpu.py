@@ -6,10 +6,12 @@ is tested without a GPU, through a stand-in runtime, in tests/test_stream_path.p
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from kt_kernel import KTMoEWrapper
+from kt_kernel import KTMoEWrapper, generate_gpu_experts_masks
 from kt_kernel.stream_path import BUFFERS
 
 from moe_reference import make_problem, moe_wrapper, random_routing
@@ -111,6 +113,43 @@ def test_cuda_graph_of_four_layers_replays_as_eager(layers):
         assert torch.equal(got, want), f"replay {replay}"
 
 
+def test_cuda_graph_replays_across_live_expert_placement(layers):
+    """sglang-kt's dynamic expert update: masks changed in place between replays of one graph; every
+    replay computes with the mask of that moment (the host function reads it when it runs)."""
+    tokens = 4
+    KTMoEWrapper.set_capture_batch_sizes([tokens])
+    x, ids, weights = (t.cuda() for t in routing(tokens, 7))
+
+    def four_layers():
+        outputs = []
+        for moe in layers:
+            moe.submit_forward(x, ids, weights)
+            outputs.append(moe.sync_forward())
+        return outputs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        four_layers()  # warm-up: allocations happen outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = [out.clone() for out in four_layers()]
+    try:
+        for step in range(20):
+            freq = torch.rand(len(layers), E, generator=torch.Generator().manual_seed(step))
+            for moe, mask in zip(layers, generate_gpu_experts_masks(freq, len(layers) * E // 3), strict=True):
+                moe.gpu_experts_mask.copy_(mask)
+            graph.replay()
+            got = [out.cpu() for out in static]
+            want = [moe.forward(x.cpu(), ids.cpu(), weights.cpu()) for moe in layers]
+            for layer_idx, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(g, w), f"step {step}, layer {layer_idx}: not the mask of that moment"
+    finally:
+        for moe in layers:
+            moe.gpu_experts_mask.copy_(torch.zeros(E, dtype=torch.bool))
+
+
 def test_a_bad_expert_id_is_raised_by_a_later_sync_and_the_output_is_nan():
     moe = make_layer(0)
     x, ids, weights = routing(3, 4)
@@ -121,7 +160,8 @@ def test_a_bad_expert_id_is_raised_by_a_later_sync_and_the_output_is_nan():
         moe.sync_forward()
     except ValueError:
         raised = True
-    out = BUFFERS.output(3, H, x.cuda().device, moe.layer_idx % 2).cpu()  # after the host functions ran
+    key = (threading.get_ident(), 3, H, x.cuda().device)
+    out = BUFFERS._outputs[key][BUFFERS._turns[key] ^ 1].cpu()  # the sync's output, once the stream ran
     assert torch.isnan(out.float()).all()
     if not raised:
         x, ids, weights = routing(3, 5)

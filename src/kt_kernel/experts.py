@@ -56,7 +56,8 @@ class KTMoEWrapper:
     GPU experts: ``gpu_experts_mask`` (bool [num_experts]) or upstream's ``num_gpu_experts=n``
     (experts 0..n-1; both given: they must agree). ``gpu_experts_mask`` is a CPU bool tensor the
     caller may update in place (``wrapper.gpu_experts_mask.copy_(m)``, from any device) or assign;
-    the change applies from the next ``submit_forward``. By default every expert's weights are
+    the engines read it when a CPU task starts (on a CUDA stream: when the stream gets there, so a
+    replayed CUDA graph uses the mask of that moment). By default every expert's weights are
     packed, masked ones too, so any expert can come back to the CPU without a reload. With
     ``skip_gpu_expert_cpu_copy=True`` (upstream's option name) the experts masked at load are left
     out of CPU memory; one the mask hands back later is read from ``weight_path`` at the next submit
@@ -227,7 +228,7 @@ class KTMoEWrapper:
     @property
     def gpu_experts_mask(self) -> torch.Tensor:
         """CPU bool [num_experts]: True = computed on the GPU, skipped here. Update it in place or
-        assign it; the engines see the change at the next submit_forward."""
+        assign it; the engines read it when each CPU task starts (docs/serving.md)."""
         return self._gpu_experts_mask
 
     @gpu_experts_mask.setter
@@ -662,10 +663,10 @@ class KTMoEWrapper:
 
         Direct path: waits, and returns a new tensor. Stream path: queues the wait and the copy of
         the output on the stream and returns at once; the tensor returned (on the inputs' device) is
-        a buffer kept per (stream, batch size, layer parity): it holds this output once the stream
-        has reached this point and until the sync of the same batch size two layers later. An error
-        of the CPU task (a bad expert id, say) is raised by this or a later sync_forward of this
-        layer, and that call's output is NaN."""
+        one of a pair per (thread, batch size, device): it holds this output once the stream has
+        reached this point and until the second next sync of the same batch size on this thread.
+        An error of the CPU task (a bad expert id, say) is raised by this or a later sync_forward of
+        this layer, and that call's output is NaN."""
         with self._lock:
             out = self._in_flight
             if out is None:
