@@ -1,4 +1,4 @@
-"""load_weights() reads and packs a layer a part of its experts at a time (experts.LOAD_PARTS):
+"""load_weights() reads and packs a layer a part of its experts at a time (loading.LOAD_PARTS):
 the engines end up with what one load of the whole layer gives them, zero points that only some
 parts have included; a part that fails leaves the layer unloaded, not half old and half new; and
 the memory a load needs beyond the packed layer is about one part."""
@@ -14,7 +14,7 @@ import torch
 from test_fp8 import expert_tensors, write_model_dir
 from test_int4_sources import reference, write_layer
 
-from kt_kernel import checkpoint, experts
+from kt_kernel import checkpoint, loading
 
 from moe_reference import make_problem, moe_wrapper
 
@@ -23,7 +23,7 @@ E, K, H, I = 4, 2, 256, 128
 
 @pytest.mark.parametrize("asymmetric", [{2, 3}, {0}], ids=["zero-points-arrive-late", "zero-points-first"])
 def test_parts_give_what_a_whole_load_gives(tmp_path, monkeypatch, asymmetric):
-    monkeypatch.setattr(experts, "LOAD_PARTS", E)  # one expert per part
+    monkeypatch.setattr(loading, "LOAD_PARTS", E)  # one expert per part
     full = write_layer(tmp_path / "model", "gptq", 32, asymmetric=asymmetric)
     slot_map = torch.tensor([3, 0, 3, 1])  # expert 2 unused: its part is not read
     in_parts = moe_wrapper(E, K, H, I, method="GPTQ_INT4", weight_path=str(tmp_path / "model"))
@@ -72,7 +72,7 @@ def test_parts_must_share_their_scale_groups():
 
 def test_the_checkpoint_is_indexed_once_per_load(tmp_path, monkeypatch):
     """Not once per part: a big model's index holds ~100k tensor names (0.45 s to sort out here)."""
-    monkeypatch.setattr(experts, "LOAD_PARTS", E)
+    monkeypatch.setattr(loading, "LOAD_PARTS", E)
     write_layer(tmp_path / "model", "gptq", 32)
     calls = []
     index = checkpoint.index_checkpoint
@@ -82,7 +82,7 @@ def test_the_checkpoint_is_indexed_once_per_load(tmp_path, monkeypatch):
 
 
 def test_a_part_that_fails_leaves_the_layer_unloaded(tmp_path, monkeypatch):
-    monkeypatch.setattr(experts, "LOAD_PARTS", E)
+    monkeypatch.setattr(loading, "LOAD_PARTS", E)
     good, _ = expert_tensors("model.", 0, per_channel=False, seed=1)
     write_model_dir(tmp_path / "good", good)
     bad = dict(good)
@@ -103,7 +103,7 @@ def test_a_part_that_fails_leaves_the_layer_unloaded(tmp_path, monkeypatch):
 
 
 def test_errors_name_the_layer_s_expert_not_the_part_s(tmp_path, monkeypatch):
-    monkeypatch.setattr(experts, "LOAD_PARTS", E)
+    monkeypatch.setattr(loading, "LOAD_PARTS", E)
     tensors, _ = expert_tensors("model.", 0, per_channel=False, seed=3)
     tensors["model.layers.0.mlp.experts.3.down_proj.weight"].view(torch.uint8)[1, 2] = 0xFF  # NaN
     write_model_dir(tmp_path / "model", tensors)

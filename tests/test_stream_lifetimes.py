@@ -180,7 +180,7 @@ def test_close_gc_and_clear_while_work_is_queued_free_nothing_the_stream_still_u
     stream = fake.stream()
     fake.hold(stream)
     moe.submit_forward(p.hidden, p.ids, p.weights, stream)  # submitted, never synced
-    queued = weakref.ref(moe._in_flight.slot)
+    queued = weakref.ref(moe._stream.call.slot)
     with pytest.warns(RuntimeWarning, match="NaN"):
         moe.close()
     del moe, layers

@@ -1,10 +1,13 @@
-"""What callers hand KTMoEWrapper, checked: ints and options, the GPU mask, a call's inputs, expert
-ids, buffer addresses. Each check raises the TypeError or ValueError that names the argument."""
+"""What callers hand KTMoEWrapper, checked: its constructor's options, ints, the GPU mask, a call's
+inputs, expert ids, buffer addresses. Each check raises the TypeError or ValueError that names the
+argument."""
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -179,3 +182,77 @@ def check_call_inputs(
     if weights_dtype != torch.float32:
         weights = weights.to(torch.float32)
     return x.contiguous(), ids.contiguous(), weights.contiguous()
+
+
+#: At most this many worker threads per CPU this process may run on (more only time-slice).
+THREADS_PER_CPU_LIMIT = 4
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """KTMoEWrapper's constructor arguments, checked (each name as upstream's keyword)."""
+
+    layer_idx: int
+    num_experts: int
+    num_experts_per_tok: int
+    hidden_size: int
+    moe_intermediate_size: int
+    cpuinfer_threads: int
+    threadpool_count: int
+    chunked_prefill_size: int
+    max_deferred_experts_per_token: int
+    numa_nodes: list[int] | None
+    swiglu_limit: float | None
+    swiglu_alpha: float | None
+    int8_activations: bool
+    skip_gpu_expert_cpu_copy: bool
+
+
+def check_layer_options(given: dict[str, object], max_dimension: int) -> LayerOptions:
+    """KTMoEWrapper's constructor arguments ``given`` by name (its locals()), checked."""
+    mode, top_k = given["mode"], given["num_experts_per_tok"]
+    if mode == "sft":
+        raise NotImplementedError("SFT mode is not supported: kt_kernel runs inference only")
+    if mode != "inference":
+        raise ValueError(f"mode must be 'inference' (upstream's 'sft' is not supported), got {mode!r}")
+    layer_idx = require_int("layer_idx", given["layer_idx"], 0)
+    num_experts = require_int("num_experts", given["num_experts"], 1)
+    top_k = require_int("num_experts_per_tok", top_k, 1)
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) cannot exceed num_experts ({num_experts})")
+    hidden = require_int("hidden_size", given["hidden_size"], 1)
+    inter = require_int("moe_intermediate_size", given["moe_intermediate_size"], 1)
+    for name, size in (("hidden_size", hidden), ("moe_intermediate_size", inter)):
+        if size > max_dimension:
+            raise ValueError(f"{name} must be <= {max_dimension}, got {size}")
+    threads = require_int("cpuinfer_threads", given["cpuinfer_threads"], 1)
+    usable_cpus = len(os.sched_getaffinity(0))
+    if threads > THREADS_PER_CPU_LIMIT * usable_cpus:
+        raise ValueError(
+            f"cpuinfer_threads={threads} is more than {THREADS_PER_CPU_LIMIT} x the "
+            f"{usable_cpus} CPUs this process may run on; extra threads would only take turns on them"
+        )
+    count = require_int("threadpool_count", given["threadpool_count"], 1)
+    if count > threads:
+        raise ValueError(
+            f"threadpool_count ({count}) cannot exceed cpuinfer_threads ({threads}): each subpool needs "
+            "a thread"
+        )
+    chunk = require_int("chunked_prefill_size", given["chunked_prefill_size"], 1)
+    per_token = given["max_deferred_experts_per_token"]
+    per_token = 0 if per_token is None else require_int("max_deferred_experts_per_token", per_token, 0)
+    if per_token >= top_k:
+        raise ValueError(
+            f"max_deferred_experts_per_token ({per_token}) must be less than num_experts_per_tok ({top_k})"
+        )
+    for name in ("int8_activations", "skip_gpu_expert_cpu_copy"):
+        if not isinstance(given[name], bool):
+            raise TypeError(f"{name} must be a bool, got {type(given[name]).__name__}")
+    numa_nodes = given["numa_nodes"]
+    return LayerOptions(
+        layer_idx, num_experts, top_k, hidden, inter, threads, count, chunk, per_token,
+        None if numa_nodes is None else [int(n) for n in numa_nodes],
+        optional_non_negative("swiglu_limit", given["swiglu_limit"]),
+        optional_non_negative("swiglu_alpha", given["swiglu_alpha"]),
+        given["int8_activations"], given["skip_gpu_expert_cpu_copy"],
+    )  # fmt: skip

@@ -3,8 +3,11 @@
 A layer's call may leave its lowest-scored experts running on a twin of its engines after it
 returns; the next call of the same thread's stack adds their output to its own. Per thread (a stack
 of layers is driven by one thread; two stacks on two threads never see each other's work) the chain
-holds the layer whose last call's deferred experts that thread's next call adds. LOCK guards every
-layer's deferred state here and the chains.
+holds the layer whose last call's deferred experts that thread's next call adds.
+
+This module performs every transition of the hand-off (start, hand-over, collect, drop, close;
+docs/design.md draws them) and is the only one that takes LOCK, which guards every layer's deferred
+state and the chains.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ LOCK = threading.Lock()
 _chains = threading.local()
 
 
-def pending() -> DeferredExperts | None:
+def _pending() -> DeferredExperts | None:
     """The deferred experts this thread's next call adds (None: none)."""
     return getattr(_chains, "pending", None)
 
 
-def set_pending(experts: DeferredExperts | None) -> None:
+def _set_pending(experts: DeferredExperts | None) -> None:
     _chains.pending = experts
 
 
@@ -63,7 +66,7 @@ class DeferredExperts:
         self.per_token = per_token  # max_deferred_experts_per_token
         self.out: torch.Tensor | None = None  # the direct-path call in flight, if any (under LOCK)
         self.closed_out: torch.Tensor | None = None  # its output, kept by close() for its taker
-        self.taker = None  # the wrapper whose call took them to add
+        self.taker = None  # the direct path whose call took them to add
         self.stream_call = None  # on a CUDA stream: the call whose deferred experts the next adds
 
     def tokens(self) -> int:
@@ -88,12 +91,13 @@ class DeferredExperts:
 def take_pending(
     taker, own: DeferredExperts | None, tokens: int, on_stream: bool = False
 ) -> torch.Tensor | DeferredExperts | None:
-    """What a call of the wrapper ``taker`` (whose deferred experts are ``own``) adds to its output: the
+    """What a call of ``taker`` (a layer's call path; its deferred experts are ``own``) adds to its
+    output: the
     deferred experts of this thread's last call, collected now if they are its own, which this call is
     about to replace (on a stream: left for the caller to take)."""
     layer_idx = taker.layer_idx
     with LOCK:
-        experts = pending()
+        experts = _pending()
         if experts is None:
             return None
         if on_stream != (experts.stream_call is not None):
@@ -121,7 +125,7 @@ def take_pending(
                 f"layer {experts.layer_idx}'s deferred experts are for {experts.tokens()} tokens, this "
                 f"call has {tokens}: flush them first (KTMoEWrapper.flush_deferred())"
             )
-        set_pending(None)
+        _set_pending(None)
         if experts is own:
             return experts.collect_locked()
         experts.taker = taker
@@ -133,8 +137,8 @@ def flush() -> torch.Tensor | None:
     their output (None if there are none); on a CUDA stream such experts are dropped, with a
     RuntimeError saying so."""
     with LOCK:
-        experts = pending()
-        set_pending(None)
+        experts = _pending()
+        _set_pending(None)
         if experts is None:
             return None
         if experts.stream_call is not None:
@@ -145,3 +149,67 @@ def flush() -> torch.Tensor | None:
                 "dropped: give the last layer of a stack on a stream max_deferred_experts_per_token=0"
             )
         return experts.collect_locked()
+
+
+def ready_for_next_call(own: DeferredExperts, layer_idx: int) -> None:
+    """Before a direct call of the layer whose deferred experts are ``own``: refuse it while a later
+    layer's call in flight still adds them; drop them where the call that took them was dropped."""
+    with LOCK:
+        if own.out is None or _pending() is own:
+            return
+        taker = own.taker
+        if taker is not None and taker.adds is own:
+            raise RuntimeError(
+                f"layer {layer_idx}'s deferred experts of its last call are being added by layer "
+                f"{taker.layer_idx}'s call, which has not been synced: sync it before calling this layer "
+                "again"
+            )
+        own.collect_locked()  # the call that took them was dropped (interrupted): drop them
+
+
+def start(own: DeferredExperts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    """A direct call's deferred experts start on the twin engines (queued behind the call) and become
+    what this thread's next call adds."""
+    with LOCK:
+        own.out = torch.empty_like(x)  # held before the engines write it
+        try:
+            own.layer.submit_addresses(x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr(),
+                                       own.out.data_ptr())  # fmt: skip
+        except BaseException:
+            if not own.layer.pending:
+                own.out = None
+            raise
+        _set_pending(own)
+
+
+def hand_over_on_stream(taken: DeferredExperts | None, own: DeferredExperts | None, call) -> None:
+    """Once a stream call is queued: the deferred experts it adds (``taken``) are no longer pending,
+    and its own (where it deferred some) are what this thread's next call adds."""
+    with LOCK:
+        if taken is not None:
+            taken.stream_call = None
+            if _pending() is taken:
+                _set_pending(None)
+        if own is not None and call.deferred:
+            own.stream_call = call
+            _set_pending(own)
+
+
+def close(own: DeferredExperts):
+    """The layer of ``own`` closes: nobody adds its pending experts now; a direct call of theirs that a
+    later call took is waited for and kept for that call. Returns the stream call whose deferred
+    experts no later call adds (for the stream path to drop), or None."""
+    with LOCK:
+        deferring, own.stream_call = own.stream_call, None
+        if _pending() is own:
+            _set_pending(None)
+        if own.out is not None:
+            own.closed_out = own.collect_locked()
+    return deferring
+
+
+def release_scratch(own: DeferredExperts) -> None:
+    """The twin engines' scratch buffers, unless a deferred call of theirs is in flight."""
+    with LOCK:
+        if own.out is None:
+            own.layer.release_scratch()

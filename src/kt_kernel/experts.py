@@ -1,10 +1,11 @@
-"""KTMoEWrapper: the upstream-compatible entry point to the CPU expert engine."""
+"""KTMoEWrapper: the upstream-compatible entry point to the CPU expert engine. A facade: it checks
+and serializes calls, and hands them to the room that does the work (loading: kt_kernel.loading;
+a forward: kt_kernel.direct_path or kt_kernel.stream_path; the deferred hand-off: kt_kernel.deferred;
+write-back: kt_kernel.write_back)."""
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import errno
 import os
 import threading
 import weakref
@@ -13,34 +14,23 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, deferred, formats, stream_path, write_back
+from . import deferred, formats, stream_path, write_back
 from ._native import ext
-from .arguments import (
-    check_call_inputs,
-    check_gpu_mask,
-    initial_gpu_mask,
-    optional_non_negative,
-    require_addresses,
-    require_expert_ids,
-    require_int,
-)
+from .arguments import THREADS_PER_CPU_LIMIT, check_gpu_mask, check_layer_options, initial_gpu_mask
+from .direct_path import DirectForward
 from .formats import require_shape
+from .loading import LOAD_PARTS, LayerWeights
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
-from .weights import check_slot_map, prepare, prepare_biases, subpool_slice
 
-__all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
+__all__ = [
+    "IMPLEMENTED_FORMATS", "LOAD_PARTS", "THREADS_PER_CPU_LIMIT", "KTMoEWrapper", "intermediate_granularity",
+    "split_intermediate",
+]  # fmt: skip
 
 #: Formats the engine runs.
 IMPLEMENTED_FORMATS = tuple(formats.FORMATS)
-#: At most this many worker threads per CPU this process may run on (more only time-slice).
-THREADS_PER_CPU_LIMIT = 4
-#: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
-#: that it needs about one part's tensors of memory beyond the packed layer.
-LOAD_PARTS = 16
 #: set_capture_batch_sizes takes batch sizes up to this (SGLang captures a few hundred at most).
 MAX_CAPTURE_BATCH_SIZE = 1 << 16
-#: Calls of up to this many tokens (decode) allocate the next call's output ahead (submit_forward).
-_SPARE_OUTPUT_MAX_TOKENS = 16
 
 
 class KTMoEWrapper:
@@ -101,45 +91,9 @@ class KTMoEWrapper:
         int8_activations: bool = False,
         skip_gpu_expert_cpu_copy: bool = False,
     ) -> None:
-        if mode == "sft":
-            raise NotImplementedError("SFT mode is not supported: kt_kernel runs inference only")
-        if mode != "inference":
-            raise ValueError(f"mode must be 'inference' (upstream's 'sft' is not supported), got {mode!r}")
-        self.layer_idx = require_int("layer_idx", layer_idx, 0)
-        self.num_experts = require_int("num_experts", num_experts, 1)
-        self.num_experts_per_tok = require_int("num_experts_per_tok", num_experts_per_tok, 1)
-        if num_experts_per_tok > num_experts:
-            raise ValueError(
-                f"num_experts_per_tok ({num_experts_per_tok}) cannot exceed num_experts ({num_experts})"
-            )
-        self.hidden_size = require_int("hidden_size", hidden_size, 1)
-        self.moe_intermediate_size = require_int("moe_intermediate_size", moe_intermediate_size, 1)
-        for name, size in (("hidden_size", hidden_size), ("moe_intermediate_size", moe_intermediate_size)):
-            if size > ext.MAX_DIMENSION:
-                raise ValueError(f"{name} must be <= {ext.MAX_DIMENSION}, got {size}")
-        self.cpuinfer_threads = require_int("cpuinfer_threads", cpuinfer_threads, 1)
-        usable_cpus = len(os.sched_getaffinity(0))
-        if cpuinfer_threads > THREADS_PER_CPU_LIMIT * usable_cpus:
-            raise ValueError(
-                f"cpuinfer_threads={cpuinfer_threads} is more than {THREADS_PER_CPU_LIMIT} x the "
-                f"{usable_cpus} CPUs this process may run on; extra threads would only take turns on them"
-            )
-        self.threadpool_count = require_int("threadpool_count", threadpool_count, 1)
-        if threadpool_count > cpuinfer_threads:
-            raise ValueError(
-                f"threadpool_count ({threadpool_count}) cannot exceed cpuinfer_threads ({cpuinfer_threads}): "
-                "each subpool needs a thread"
-            )
-        self.chunked_prefill_size = require_int("chunked_prefill_size", chunked_prefill_size, 1)
-        per_token = 0
-        if max_deferred_experts_per_token is not None:
-            per_token = require_int("max_deferred_experts_per_token", max_deferred_experts_per_token, 0)
-        if per_token >= num_experts_per_tok:
-            raise ValueError(
-                f"max_deferred_experts_per_token ({per_token}) must be less than num_experts_per_tok "
-                f"({num_experts_per_tok})"
-            )
-        self.max_deferred_experts_per_token = per_token
+        o = check_layer_options(locals(), ext.MAX_DIMENSION)  # the arguments as given, checked by name
+        for name, value in vars(o).items():  # public, under upstream's names
+            setattr(self, name, value)
         self._format = formats.get(method)
         self._format.check_dimensions(
             {"hidden_size": hidden_size, "moe_intermediate_size": moe_intermediate_size}
@@ -148,18 +102,7 @@ class KTMoEWrapper:
         self.method = method
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)
-        self.numa_nodes = None if numa_nodes is None else [int(n) for n in numa_nodes]
-        self.swiglu_limit = optional_non_negative("swiglu_limit", swiglu_limit)
-        self.swiglu_alpha = optional_non_negative("swiglu_alpha", swiglu_alpha)
-        if not isinstance(int8_activations, bool):
-            raise TypeError(f"int8_activations must be a bool, got {type(int8_activations).__name__}")
-        self.int8_activations = int8_activations
-        if not isinstance(skip_gpu_expert_cpu_copy, bool):
-            raise TypeError(
-                f"skip_gpu_expert_cpu_copy must be a bool, got {type(skip_gpu_expert_cpu_copy).__name__}"
-            )
-        self.skip_gpu_expert_cpu_copy = skip_gpu_expert_cpu_copy
-        # The engines read this tensor's memory at every submit: it is replaced only in place.
+        # The engines read this tensor's memory when a task starts: it is replaced only in place.
         self._gpu_experts_mask = initial_gpu_mask(gpu_experts_mask, num_gpu_experts, num_experts)
         self._gpu_mask_address = self._gpu_experts_mask.data_ptr()
         self._mask_shape = (num_experts,)
@@ -171,36 +114,30 @@ class KTMoEWrapper:
             int8_activations=int8_activations, swiglu_limit=self.swiglu_limit or 0.0,
             swiglu_alpha=self.swiglu_alpha or 0.0,
         )  # fmt: skip
+        self._weights = LayerWeights(
+            self._format, self._subpools, num_experts, hidden_size, moe_intermediate_size, layer_idx,
+            skip_gpu_expert_cpu_copy,
+        )  # fmt: skip
         # Deferred experts run as a second call of this layer, on the same weights and threads; their
-        # output goes into the next call's output (kt_kernel.deferred, submit_forward).
+        # output goes into the next call's output (kt_kernel.deferred).
+        per_token = o.max_deferred_experts_per_token
         self._deferred = (
             deferred.DeferredExperts(layer_idx, self._layer.twin(), per_token) if per_token else None
         )
-        self._adds: torch.Tensor | deferred.DeferredExperts | None = None  # what the call in flight adds
-        # The stream path, made at the first call with a CUDA stream.
+        # The two call paths, with the same small interface (submit, sync, busy, close): the direct
+        # one, and the stream one, made at the first call with a CUDA stream.
+        self._direct = DirectForward(
+            self._layer, self._deferred, layer_idx, num_experts, hidden_size, num_experts_per_tok
+        )
         self._stream: stream_path.StreamForward | None = None
-        # Per projection, the inputs one scale covers (1 without group scales), set at load.
-        self._scale_groups: dict[str, int] = {}
-        self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
-        # Expert biases loaded, per slot (kt_kernel.weights.prepare_biases), or None.
-        self._bias_table: dict[str, torch.Tensor] | None = None
-        # skip_gpu_expert_cpu_copy: the slots left out of CPU memory (GPU experts at load), and where
-        # load_weights read each slot's expert from (None: the weights came from tensors).
-        self._unpacked: torch.Tensor | None = None
-        self._source_of_slot: torch.Tensor | None = None
-        self._loaded = False
-        # _lock guards the engines and _in_flight: every method takes turns on it, so calls from
+        self._in_flight: DirectForward | stream_path.StreamForward | None = (
+            None  # the path of the call in flight
+        )
+        # _lock guards the engines and the paths: every method takes turns on it, so calls from
         # several Python threads are serialized (or refused while a forward is in flight).
         # _forward_lock makes forward() (submit + sync) one turn.
         self._lock = threading.Lock()
         self._forward_lock = threading.Lock()
-        self._interrupted = False  # an exception cut a call short: the next submit checks the engines
-        # The output of the forward in flight, or its StreamCall on a CUDA stream.
-        self._in_flight: torch.Tensor | stream_path.StreamCall | None = None
-        # A decode call allocates the next call's output while its engines run: with the caches cold
-        # from the call before, torch.empty_like costs tens of microseconds before the call starts.
-        self._spare_out: torch.Tensor | None = None
-        self._spare_tokens = -1  # the tokens _spare_out is for
         KTMoEWrapper._instances.add(self)
 
     # ---- construction helpers ---------------------------------------------------------------
@@ -262,7 +199,6 @@ class KTMoEWrapper:
         require_shape("gpu_experts_mask", mask, self._mask_shape, "[num_experts]")
         self._gpu_mask_address = mask.data_ptr()
 
-    # ---- weights ------------------------------------------------------------------------------
     def load_weights_from_tensors(
         self,
         gate_proj: torch.Tensor,
@@ -298,85 +234,12 @@ class KTMoEWrapper:
         output before its routing weight; held and added in fp32.
         Nothing refers to the given tensors after this returns.
         """
+        tensors = dict(gate=gate_proj, up=up_proj, down=down_proj, gate_scale=gate_scale, up_scale=up_scale,
+                       down_scale=down_scale, gate_zeros=gate_zeros, up_zeros=up_zeros, down_zeros=down_zeros,
+                       gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias)  # fmt: skip
         with self._lock:
             self._require_idle("load weights")
-            self._load_part(
-                gate_proj,
-                up_proj,
-                down_proj,
-                physical_to_logical_map_cpu,
-                {"gate_scale": gate_scale, "up_scale": up_scale, "down_scale": down_scale},
-                {"gate_zeros": gate_zeros, "up_zeros": up_zeros, "down_zeros": down_zeros},
-                {"gate_bias": gate_bias, "up_bias": up_bias, "down_bias": down_bias},
-            )
-            self._loaded = True
-
-    def _start_load(self) -> None:
-        """Every slot of every engine unpacked: the parts of a load follow (_load_part)."""
-        self._loaded = False
-        self._zero_points = False
-        self._bias_table = None
-        self._source_of_slot = None
-        self._unpacked = self._gpu_experts_mask.clone() if self.skip_gpu_expert_cpu_copy else None
-        for sp in self._subpools:
-            sp.engine.unload()
-            sp.engine.set_biases(None, None, None)
-
-    def _load_part(
-        self,
-        gate_proj: torch.Tensor,
-        up_proj: torch.Tensor,
-        down_proj: torch.Tensor,
-        slot_map: torch.Tensor | None,
-        scales: dict[str, torch.Tensor | None],
-        zeros: dict[str, torch.Tensor | None],
-        biases: dict[str, torch.Tensor | None] | None = None,
-        part: bool = False,
-        first_expert: int = 0,
-    ) -> None:
-        """Packs the slots slot_map names. Without ``part`` the whole layer, checked before the
-        loaded one is dropped; with it one part after _start_load (-1: a slot of another part),
-        whose tensors hold the experts from ``first_expert`` on."""
-        canonical, slot_map = prepare(
-            self._format,
-            {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj},
-            scales,
-            slot_map,
-            self.num_experts,
-            self.hidden_size,
-            self.moe_intermediate_size,
-            zeros,
-            part,
-            first_expert,
-        )
-        biases = prepare_biases(
-            biases or {}, slot_map, gate_proj.shape[0], self.hidden_size, self.moe_intermediate_size
-        )
-        if not part:
-            self._start_load()
-        if self._unpacked is not None:  # GPU experts stay out of CPU memory
-            slot_map = torch.where(self._unpacked, -1, slot_map)
-        # Quantized (or checked) for the whole I first, then sliced: any threadpool_count runs the
-        # same weights. One subpool at a time, so only one slice's copy exists besides the whole.
-        self._scale_groups = {name: self._format.scale_group(v, s) for name, (v, s, _) in canonical.items()}
-        self._zero_points |= any(zeros is not None for _, _, zeros in canonical.values())
-        for sp in self._subpools:
-            tensors, zeros = subpool_slice(
-                self._format, canonical, sp.start, sp.stop, self.moe_intermediate_size
-            )
-            sp.engine.load(*tensors, slot_map, **zeros)
-        if any(b is not None for b in biases.values()):
-            # Each part's slots hold their experts' biases, the others zeros: a load in parts (and an
-            # expert the mask hands back later) adds its slots to the table.
-            table = self._bias_table if part and self._bias_table is not None else {}
-            for name, bias in biases.items():
-                if bias is not None:
-                    table[name] = bias if name not in table else table[name] + bias
-            self._bias_table = table
-            gate, up, down = (table.get(name) for name in ("gate_bias", "up_bias", "down_bias"))
-            for index, sp in enumerate(self._subpools):  # gate/up biases sliced; down's added once
-                sliced = [None if b is None else b[:, sp.start : sp.stop].contiguous() for b in (gate, up)]
-                sp.engine.set_biases(*sliced, down if index == 0 else None)
+            self._weights.load_tensors(self._gpu_experts_mask, tensors, physical_to_logical_map_cpu)
 
     def load_weights(self, physical_to_logical_map_cpu: torch.Tensor | None = None) -> None:
         """Load layer ``layer_idx`` from the checkpoint directory or GGUF model ``weight_path``.
@@ -390,81 +253,12 @@ class KTMoEWrapper:
         packed in LOAD_PARTS parts: the memory it needs beyond the packed layer is about one part.
         Where a part fails, the layer is left unloaded.
         """
-        if self.weight_path is None:
-            raise ValueError("load_weights needs weight_path (a checkpoint directory or GGUF model)")
-        if not os.path.exists(self.weight_path):
-            raise FileNotFoundError(errno.ENOENT, "weight_path does not exist", str(self.weight_path))
-        sources = self.num_experts
-        if physical_to_logical_map_cpu is not None:
-            sources = int(torch.as_tensor(physical_to_logical_map_cpu).max()) + 1
-        slot_map = check_slot_map(physical_to_logical_map_cpu, sources, self.num_experts)
+        slot_map = self._weights.checkpoint_slot_map(self.weight_path, physical_to_logical_map_cpu)
         with self._lock:
             self._require_idle("load weights")
-            self._start_load()
-            # A part at a time: only its tensors exist besides the engines' packed copy.
-            reader = checkpoint.LayerReader(
-                self.weight_path,
-                self.layer_idx,
-                self.weight_format,
-                (self.hidden_size, self.moe_intermediate_size),
+            self._weights.load_checkpoint(
+                self.weight_path, slot_map, self._gpu_experts_mask, self.weight_format
             )
-            per_part = max(1, sources // LOAD_PARTS)
-            for first in range(0, sources, per_part):
-                experts = range(first, min(sources, first + per_part))
-                in_part = (slot_map >= experts.start) & (slot_map < experts.stop)
-                if self._unpacked is not None:
-                    in_part &= ~self._unpacked
-                if not in_part.any():
-                    continue
-                tensors = reader.read(experts)
-                self._load_part(
-                    tensors.pop("gate"),
-                    tensors.pop("up"),
-                    tensors.pop("down"),
-                    torch.where(in_part, slot_map - experts.start, -1),
-                    {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
-                    {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
-                    {name: tensors.get(name) for name in ("gate_bias", "up_bias", "down_bias")},
-                    part=True,
-                    first_expert=experts.start,
-                )
-            self._source_of_slot = slot_map
-            self._loaded = True
-
-    def _load_experts_the_mask_hands_back(self) -> None:
-        """skip_gpu_expert_cpu_copy: pack the experts gpu_experts_mask now gives the CPU that were
-        left out of CPU memory, read from weight_path (a RuntimeError where the weights came from
-        tensors). Called with self._lock held, before a forward."""
-        need = self._unpacked & ~self._gpu_experts_mask
-        if not bool(need.any()):
-            return
-        slots = torch.nonzero(need).flatten().tolist()
-        if self._source_of_slot is None:
-            raise RuntimeError(
-                f"experts {slots} are not in CPU memory (skip_gpu_expert_cpu_copy) and the weights came from "
-                "tensors: load them again, or mark these experts GPU-resident again"
-            )
-        self._require_idle("load the experts gpu_experts_mask hands to the CPU", deferred_too=False)
-        reader = checkpoint.LayerReader(self.weight_path, self.layer_idx, self.weight_format)
-        for slot in slots:
-            source = int(self._source_of_slot[slot])
-            tensors = reader.read(range(source, source + 1))
-            self._unpacked[slot] = False  # _load_part packs only slots not marked unpacked
-            try:
-                self._load_part(
-                    tensors.pop("gate"),
-                    tensors.pop("up"),
-                    tensors.pop("down"),
-                    torch.where(torch.arange(self.num_experts) == slot, 0, -1),
-                    {name: tensors.get(name) for name in ("gate_scale", "up_scale", "down_scale")},
-                    {name: tensors.get(name) for name in ("gate_zeros", "up_zeros", "down_zeros")},
-                    {name: tensors.get(name) for name in ("gate_bias", "up_bias", "down_bias")},
-                    part=True,
-                    first_expert=source,
-                )
-            except BaseException:
-                self._unpacked[slot] = True
-                raise
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(
@@ -488,26 +282,13 @@ class KTMoEWrapper:
                 self._drop_in_flight()
                 raise
 
-    def _drop_orphaned_call(self, adds: torch.Tensor | deferred.DeferredExperts | None = None) -> None:
-        """Wait for the engines' call and for the deferred experts it took (`adds`), and drop both."""
-        try:
-            if self._layer.pending:
-                self._layer.sync()
-            if isinstance(adds, deferred.DeferredExperts):
-                adds.collect()  # frees that layer for its next call
-        except (RuntimeError, ValueError):
-            pass  # the call's own error: it is dropped with it
-
     def _drop_in_flight(self) -> None:
-        """Wait for a direct-path call in flight and forget it (its output, and the deferred experts
-        it took, are lost: the caller has given up on the call)."""
+        """Wait for a direct-path call in flight and forget it (a stream call's host functions finish
+        it)."""
         with self._lock:
-            out = self._in_flight
-            if not isinstance(out, torch.Tensor):
-                return  # none, or on a stream (its host functions finish it)
-            adds, self._in_flight, self._adds = self._adds, None, None
-            if self._layer is not None:
-                self._drop_orphaned_call(adds)
+            if self._in_flight is self._direct and self._layer is not None:
+                self._direct.drop()
+                self._in_flight = None
 
     def submit_forward(
         self,
@@ -527,7 +308,7 @@ class KTMoEWrapper:
         on_cpu = cuda_stream is None and not getattr(hidden_states, "is_cuda", False)
         stream = None if on_cpu else stream_path.stream_handle(cuda_stream, hidden_states)
         with self._lock:
-            if not self._loaded:
+            if not self._weights.loaded:
                 raise RuntimeError(
                     "this wrapper is closed"
                     if self._layer is None
@@ -535,126 +316,30 @@ class KTMoEWrapper:
                 )
             if self._gpu_experts_mask.data_ptr() != self._gpu_mask_address:
                 self._follow_gpu_mask()
-            if self._unpacked is not None:
-                self._load_experts_the_mask_hands_back()
-            if stream is not None:
-                self._require_idle("submit a forward", deferred_too=False, stream_too=False)
-                self._submit_on_stream(stream, hidden_states, topk_ids, topk_weights)
+            if self._weights.unpacked is not None:
+                idle = "load the experts gpu_experts_mask hands to the CPU"
+                self._weights.load_handed_back(
+                    self.weight_path,
+                    self._gpu_experts_mask,
+                    self.weight_format,
+                    lambda: self._require_idle(idle, deferred_too=False),
+                )
+            if stream is None:
+                self._require_idle("submit a forward", deferred_too=False)
+                self._direct.submit(hidden_states, topk_ids, topk_weights, self._gpu_mask_address)
+                self._in_flight = self._direct
                 return
-            self._require_idle("submit a forward", deferred_too=False)
-            if self._interrupted:  # a call an interrupt may have left behind mid-way: finish it, drop it
-                self._interrupted = False
-                self._drop_orphaned_call()
-            x, ids, weights = check_call_inputs(
-                hidden_states, topk_ids, topk_weights, self.hidden_size, self.num_experts_per_tok
-            )
-            tokens = x.shape[0]
-            out = self._spare_out if self._spare_tokens == tokens else None
-            if out is None:
-                out = torch.empty_like(x)
-            self._spare_out = None
-            deferred_ids, own = None, self._deferred
-            if own is not None and tokens > 0:
-                # Refused before anything starts: a call that fails half-way (its deferred part) would
-                # leave the engines writing memory nobody holds.
-                if own.out is not None and deferred.pending() is not own:
-                    taker = own.taker
-                    if taker is not None and taker._adds is own:
-                        raise RuntimeError(
-                            f"layer {self.layer_idx}'s deferred experts of its last call are being added by "
-                            f"layer {taker.layer_idx}'s call, which has not been synced: sync it before "
-                            "calling this layer again"
-                        )
-                    own.collect()  # the call that took them was dropped (interrupted): drop them
-                require_expert_ids(ids, self.num_experts)
-                ids, deferred_ids = self.select_deferred_experts(
-                    ids, weights, self.num_experts_per_tok - own.per_token
-                )
-            # Once the engines write `out`, whatever is raised (a refused pass, or a KeyboardInterrupt
-            # the moment the submit returns), the call is waited for before `out` can be freed.
-            try:
-                if tokens > 0:
-                    # check_call_inputs made them contiguous with the engine's dtypes and shapes. The
-                    # engines compare the mask with the one they hold (a memcmp) and update on change.
-                    self._layer.submit_addresses(
-                        x.data_ptr(), tokens, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
-                        self._gpu_mask_address,
-                    )  # fmt: skip
-                if 0 < tokens <= _SPARE_OUTPUT_MAX_TOKENS:
-                    self._spare_out, self._spare_tokens = torch.empty_like(x), tokens
-                # Taken once this call is on its way, so a refused call leaves them for the next one.
-                self._adds = deferred.take_pending(self, own, tokens)
-                if deferred_ids is not None:  # queued behind the call above: runs while the caller goes on
-                    with deferred.LOCK:
-                        own.out = torch.empty_like(x)  # held before the engines write it
-                        try:
-                            own.layer.submit_addresses(
-                                x.data_ptr(), x.shape[0], deferred_ids.data_ptr(), weights.data_ptr(),
-                                own.out.data_ptr(),
-                            )  # fmt: skip
-                        except BaseException:
-                            if not own.layer.pending:
-                                own.out = None
-                            raise
-                        deferred.set_pending(own)
-                self._in_flight = out  # the engines write it until sync
-            except BaseException:
-                if self._in_flight is not out:
-                    self._interrupted = True
-                    adds, self._adds = self._adds, None
-                    self._drop_orphaned_call(adds)
-                raise
-
-    def _submit_on_stream(
-        self, stream: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> None:
-        device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu")
-        # Conversions and the deferred split are torch operations: queued on the stream. Entering it
-        # costs tens of microseconds, so calls that need neither (SGLang's) skip it.
-        own = self._deferred
-        plain = own is None and stream_path.as_engine_reads(hidden_states, topk_ids, topk_weights)
-        with contextlib.nullcontext() if plain else stream_path.on_stream(stream, device):
-            x, ids, weights = check_call_inputs(
-                hidden_states,
-                topk_ids,
-                topk_weights,
-                self.hidden_size,
-                self.num_experts_per_tok,
-                on_device=True,
-            )
-            deferred_ids = None
-            if own is not None and x.shape[0] > 0:
-                ids, deferred_ids = self.select_deferred_experts(
-                    ids.to(torch.int64), weights, self.num_experts_per_tok - own.per_token
-                )
-        if x.shape[0] == 0:
-            self._in_flight = stream_path.StreamCall(stream, 0, 0, x.device, None, None, False)
-            return
-        if self._stream is None:
-            self._stream = stream_path.StreamForward(
-                self._layer, own and own.layer, self.num_experts, self.hidden_size, self.num_experts_per_tok
-            )
-        pending = deferred.take_pending(self, own, x.shape[0], on_stream=True)
-        adds = None if pending is None else pending.stream_call
-        call = self._stream.submit(
-            stream,
-            x,
-            ids,
-            weights,
-            deferred_ids,
-            adds,
-            KTMoEWrapper._capture_batch_sizes,
-            self._gpu_experts_mask,
-        )
-        with deferred.LOCK:  # taken once this call is on its way, as on the direct path
-            if pending is not None:
-                pending.stream_call = None
-                if deferred.pending() is pending:
-                    deferred.set_pending(None)
-            if deferred_ids is not None:
-                own.stream_call = call
-                deferred.set_pending(own)
-        self._in_flight = call
+            self._require_idle("submit a forward", deferred_too=False, stream_too=False)
+            if self._stream is None:
+                self._stream = stream_path.StreamForward(
+                    self._layer, self._deferred, self.layer_idx, self.num_experts, self.hidden_size,
+                    self.num_experts_per_tok,
+                )  # fmt: skip
+            self._stream.submit(
+                stream, hidden_states, topk_ids, topk_weights, KTMoEWrapper._capture_batch_sizes,
+                self._gpu_experts_mask,
+            )  # fmt: skip
+            self._in_flight = self._stream
 
     def sync_forward(
         self, hidden_states: torch.Tensor | None = None, cuda_stream: object | None = None
@@ -668,36 +353,14 @@ class KTMoEWrapper:
         An error of the CPU task (a bad expert id, say) is raised by this or a later sync_forward of
         this layer, and that call's output is NaN."""
         with self._lock:
-            out = self._in_flight
-            if out is None:
+            path = self._in_flight
+            if path is None:
                 raise RuntimeError("sync_forward called without a submit_forward")
-            if isinstance(out, stream_path.StreamCall):
-                given = None if cuda_stream is None else stream_path.stream_handle(cuda_stream, None)
-                if given is not None and given != out.stream:
-                    raise ValueError(
-                        f"sync_forward's cuda_stream ({given}) is not the one submit_forward used "
-                        f"({out.stream})"
-                    )
-                self._in_flight = None
-                if out.tokens == 0:
-                    return torch.empty((0, self.hidden_size), dtype=torch.bfloat16, device=out.device)
-                return self._stream.sync(out)
-            synced = out.shape[0] == 0
             try:
-                if not synced:
-                    self._layer.sync()  # with subpools: also sums their partial outputs into out
-                    synced = True
-                adds = self._adds
-                if isinstance(adds, deferred.DeferredExperts):
-                    adds = adds.collect()
-                if adds is not None:  # the deferred experts of the call before
-                    out = (out.float() + adds.float()).to(torch.bfloat16)
+                return path.sync(cuda_stream)
             finally:
-                # Interrupted before the engines were waited for, the call stays in flight (and
-                # `out` held) for a later sync_forward, or for forward() to drop.
-                if synced or not self._layer.pending:
-                    self._in_flight, self._adds = None, None
-            return out
+                if not path.busy:
+                    self._in_flight = None
 
     # ---- deferred experts (max_deferred_experts_per_token > 0): kt_kernel.deferred ------------------
     def select_deferred_experts(
@@ -745,47 +408,11 @@ class KTMoEWrapper:
         """
         with self._lock:
             self._require_idle("write weights back")
-            if not self._loaded:
-                raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
-            if self._zero_points or self._bias_table is not None:
-                what = "zero points (asymmetric INT4)" if self._zero_points else "expert biases"
-                raise NotImplementedError(
-                    f"weights loaded with {what} have no GPU buffer layout: the buffers hold values and "
-                    "scales only"
-                )
-            fmt, H, inter = self._format, self.hidden_size, self.moe_intermediate_size
-            tp = self._write_parts(gpu_tp_count)
-            expert = require_int("expert_id", expert_id, 0)
-            if expert >= self.num_experts:
-                raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert}")
-            w13 = require_addresses("w13_weight_ptrs", w13_weight_ptrs, tp)
-            w2 = require_addresses("w2_weight_ptrs", w2_weight_ptrs, tp)
-            if fmt.scale_groups:
-                s13 = require_addresses("w13_scale_ptrs", w13_scale_ptrs, tp)
-                s2 = require_addresses("w2_scale_ptrs", w2_scale_ptrs, tp)
-            else:
-                for name, ptrs in (("w13_scale_ptrs", w13_scale_ptrs), ("w2_scale_ptrs", w2_scale_ptrs)):
-                    if ptrs is not None and not isinstance(ptrs, (list, tuple)):
-                        raise TypeError(f"{name} must be a list, empty or None for {fmt.name}")
-                s13 = s2 = [0] * tp  # no scales
-            gate_group = self._scale_groups["gate"]
-            if gate_group != self._scale_groups["up"]:
-                raise ValueError(
-                    f"gate and up were loaded with different {fmt.name} group sizes: w13 scale rows cannot "
-                    "hold both"
-                )
-            write_back.write_expert(
-                fmt, write_back.layout_of(self.method), self._subpools, H, inter, self._scale_groups, expert,
-                w13, s13, w2, s2,
+            self._require_loaded()
+            write_back.write_layer_expert(
+                self._weights, self.method, gpu_tp_count, expert_id,
+                w13_weight_ptrs, w13_scale_ptrs, w2_weight_ptrs, w2_scale_ptrs,
             )  # fmt: skip
-
-    def _write_parts(self, gpu_tp_count: int) -> int:
-        tp, inter = require_int("gpu_tp_count", gpu_tp_count, 1), self.moe_intermediate_size
-        down_group = self._scale_groups["down"]
-        if inter % tp or (inter // tp) % max(down_group, 1):
-            keep = f" into whole blocks of {down_group} inputs per down scale" if down_group else ""
-            raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
-        return tp
 
     def write_buffer_nbytes(self, gpu_tp_count: int) -> dict[str, int]:
         """The bytes each buffer of one part needs for ``submit_write_weight_scale_to_buffer`` with the
@@ -793,12 +420,12 @@ class KTMoEWrapper:
         A ValueError where the loaded weights cannot be written in this method's layout."""
         with self._lock:
             self._require_idle("size the write-back buffers", stream_too=False)
-            if not self._loaded:
-                raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
-            return write_back.buffer_nbytes(
-                self._format, write_back.layout_of(self.method), self._write_parts(gpu_tp_count),
-                self.hidden_size, self.moe_intermediate_size, self._scale_groups,
-            )  # fmt: skip
+            self._require_loaded()
+            return write_back.layer_buffer_nbytes(self._weights, self.method, gpu_tp_count)
+
+    def _require_loaded(self) -> None:
+        if not self._weights.loaded:
+            raise RuntimeError("weights are not loaded: call load_weights_from_tensors first")
 
     def sync_write_weight_scale_to_buffer(self) -> None:
         """Kept for upstream's call sequence: submit_write_weight_scale_to_buffer finished the work."""
@@ -815,31 +442,25 @@ class KTMoEWrapper:
         with self._lock:
             if self._layer is None:
                 return  # closed before
-            own = self._deferred
             try:
-                if self._stream is not None:  # queued host functions of this layer do nothing from now on
-                    deferring = None
-                    if own is not None:
-                        with deferred.LOCK:
-                            deferring, own.stream_call = own.stream_call, None
-                    in_flight = self._in_flight
-                    self._stream.close(in_flight if isinstance(in_flight, stream_path.StreamCall) else None,
-                                       deferring, warn)  # fmt: skip
-                elif self._in_flight is not None and self._in_flight.shape[0] > 0:
-                    self._layer.sync()
-                with deferred.LOCK:
-                    if own is not None:
-                        if deferred.pending() is own:  # nobody will add them now
-                            deferred.set_pending(None)
-                        if own.out is not None:  # a later call took them: it gets them still
-                            own.closed_out = own.collect_locked()
+                if self._in_flight is self._direct:
+                    self._direct.close()
+                if self._stream is not None:  # queued host functions of this layer start nothing from now on
+                    self._stream.close(warn)
+                elif self._deferred is not None:
+                    deferred.close(self._deferred)
             except RuntimeError:
                 pass  # a forward lost to fork(): nothing of it runs any more
             finally:
-                self._in_flight, self._adds = None, None
-                self._loaded = False
-                self._layer, self._subpools, self._pools, self._deferred = None, [], None, None
-                self._spare_out = None
+                self._in_flight = None
+                self._weights.loaded, self._weights.subpools = False, []  # the engines go with the wrapper
+                self._layer, self._subpools, self._pools, self._deferred, self._direct = (
+                    None,
+                    [],
+                    None,
+                    None,
+                    None,
+                )
 
     def __del__(self) -> None:
         if getattr(self, "_lock", None) is not None:  # __init__ got that far
@@ -861,8 +482,7 @@ class KTMoEWrapper:
         ):
             raise RuntimeError(
                 f"cannot {action} while calls of this layer queued on a CUDA stream have not run: "
-                "synchronize "
-                "the stream first"
+                "synchronize the stream first"
             )
         if deferred_too and own is not None and own.out is not None:
             raise RuntimeError(
@@ -899,11 +519,9 @@ class KTMoEWrapper:
             try:
                 if wrapper._in_flight is None and wrapper._layer is not None:
                     wrapper._layer.release_scratch()
-                    wrapper._spare_out, wrapper._spare_tokens = None, -1
-                    own = wrapper._deferred
-                    with deferred.LOCK:
-                        if own is not None and own.out is None:
-                            own.layer.release_scratch()
+                    wrapper._direct.release_scratch()
+                    if wrapper._deferred is not None:
+                        deferred.release_scratch(wrapper._deferred)
             finally:
                 wrapper._lock.release()
         stream_path.BUFFERS.clear()

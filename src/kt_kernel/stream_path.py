@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from . import deferred
 from ._native import ext
+from .arguments import check_call_inputs
 
 
 def stream_handle(cuda_stream: object, hidden_states: object) -> int | None:
@@ -267,11 +269,15 @@ class StreamCall:
 
 
 class StreamForward:
-    """One layer's stream path: its C++ StreamLayer and the host tensors its queued copies read."""
+    """One layer's stream path: its C++ StreamLayer, the call submitted and not yet synced, and the
+    host tensors its queued copies read."""
 
-    def __init__(self, layer: Any, deferred_layer: Any, num_experts: int, hidden: int, top_k: int) -> None:
-        self.layer = ext.StreamLayer.create(layer, deferred_layer, num_experts, hidden, top_k)
+    def __init__(self, layer: Any, own: deferred.DeferredExperts | None, layer_idx: int, num_experts: int,
+                 hidden: int, top_k: int) -> None:  # fmt: skip
+        self.layer = ext.StreamLayer.create(layer, own and own.layer, num_experts, hidden, top_k)
+        self.own, self.layer_idx, self.num_experts = own, layer_idx, num_experts
         self.hidden, self.top_k = hidden, top_k
+        self.call: StreamCall | None = None  # submitted, not yet synced
         self._prepared: dict[tuple[int, torch.device], int] = {}  # (thread, device) -> BUFFERS.generation
         # Host inputs a queued copy still reads, with the queued() count that makes them free.
         self._keep_alive: collections.deque[tuple[int, tuple[torch.Tensor, ...]]] = collections.deque()
@@ -279,12 +285,42 @@ class StreamForward:
         # when it runs, a captured one at every replay, so the memory stays.
         self._masks: dict[int, torch.UntypedStorage] = {}
 
-    def submit(self, stream: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    @property
+    def busy(self) -> bool:
+        return self.call is not None
+
+    def submit(self, stream: int, hidden_states: object, topk_ids: object, topk_weights: object,
+               capture_sizes: list[int], gpu_mask: torch.Tensor) -> None:  # fmt: skip
+        """Check the inputs and queue the call on ``stream``; the GPU-expert mask (a checked CPU bool
+        tensor) is read when the CPU task starts."""
+        device = hidden_states.device if isinstance(hidden_states, torch.Tensor) else torch.device("cpu")
+        # Conversions and the deferred split are torch operations: queued on the stream. Entering it
+        # costs tens of microseconds, so calls that need neither (SGLang's) skip it.
+        own = self.own
+        plain = own is None and as_engine_reads(hidden_states, topk_ids, topk_weights)
+        with contextlib.nullcontext() if plain else on_stream(stream, device):
+            x, ids, weights = check_call_inputs(
+                hidden_states, topk_ids, topk_weights, self.hidden, self.top_k, on_device=True
+            )
+            deferred_ids = None
+            if own is not None and x.shape[0] > 0:
+                ids, deferred_ids = deferred.split_routing(
+                    ids.to(torch.int64), weights, self.top_k - own.per_token, self.num_experts
+                )
+        if x.shape[0] == 0:
+            self.call = StreamCall(stream, 0, 0, x.device, None, None, False, self)
+            return
+        taken = deferred.take_pending(self, own, x.shape[0], on_stream=True)
+        adds = None if taken is None else taken.stream_call
+        call = self._queue(stream, x, ids, weights, deferred_ids, adds, capture_sizes, gpu_mask)
+        deferred.hand_over_on_stream(taken, own, call)  # once this call is on its way, as on the direct path
+        self.call = call
+
+    def _queue(self, stream: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                deferred_ids: torch.Tensor | None, adds: StreamCall | None,
                capture_sizes: list[int], gpu_mask: torch.Tensor) -> StreamCall:  # fmt: skip
         """Queue the call (inputs checked, contiguous, on one device: x bf16, ids int64 or int32,
-        weights float32, deferred_ids int64); the GPU-expert mask (a checked CPU bool tensor) is read
-        when the CPU task starts."""
+        weights float32, deferred_ids int64)."""
         tokens, device = x.shape[0], x.device
         BUFFERS.retired.collect()
         prepared = (threading.get_ident(), device)
@@ -315,7 +351,20 @@ class StreamForward:
             self._keep_alive.append((self.layer.queued, (x, ids, weights, deferred_ids)))
         return StreamCall(stream, handle, tokens, device, slot, adds, deferred_ids is not None, self)
 
-    def sync(self, call: StreamCall) -> torch.Tensor:
+    def sync(self, cuda_stream: object = None) -> torch.Tensor:
+        """Queue the wait and the output copy of the call submitted; returns the device output."""
+        call = self.call
+        given = None if cuda_stream is None else stream_handle(cuda_stream, None)
+        if given is not None and given != call.stream:
+            raise ValueError(
+                f"sync_forward's cuda_stream ({given}) is not the one submit_forward used ({call.stream})"
+            )
+        self.call = None
+        if call.tokens == 0:
+            return torch.empty((0, self.hidden), dtype=torch.bfloat16, device=call.device)
+        return self._sync(call)
+
+    def _sync(self, call: StreamCall) -> torch.Tensor:
         """Queue the wait and the output copy; returns the device output. Raises the first error a
         host function of this layer met (of this call or an earlier one)."""
         out = BUFFERS.output(call.tokens, self.hidden, call.device)
@@ -339,19 +388,22 @@ class StreamForward:
         finally:
             BUFFERS.retire(call.slot, call.stream)
 
-    def close(self, in_flight: StreamCall | None, deferring: StreamCall | None, warn: bool = True) -> None:
+    def close(self, warn: bool = True) -> None:
         """Stop the layer's host functions (a CPU task in flight finishes; a sync still queued gives
-        NaN); retire the slots queued copies may still write: the call in flight (submitted, not
-        synced) and the call whose deferred experts nobody adds."""
-        if deferring is not None:
-            self.drop_deferred(deferring)
+        NaN); retire the slots queued copies may still write: the call submitted and not synced, and
+        the call whose deferred experts nobody adds now."""
         if warn and self.layer.outstanding:
             warnings.warn(
                 "a layer closed with calls queued on a CUDA stream that has not run them: their outputs "
                 "will be NaN",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+        deferring = deferred.close(self.own) if self.own is not None else None
+        self.own = None  # its twin engines go with the layer
+        if deferring is not None:
+            self.drop_deferred(deferring)
         self.layer.close()
-        if in_flight is not None and in_flight is not deferring:
-            BUFFERS.retire(in_flight.slot, in_flight.stream)
+        call, self.call = self.call, None
+        if call is not None and call is not deferring and call.slot is not None:
+            BUFFERS.retire(call.slot, call.stream)

@@ -13,12 +13,16 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .arguments import require_addresses, require_int
 from .formats import FP8_BLOCK, WeightFormat
+
+if TYPE_CHECKING:
+    from .loading import LayerWeights
 
 #: Canonical scales [rows, scales per row] (their dtype), their scale group -> the caller's bytes.
 ScaleConverter = Callable[[torch.Tensor, int], torch.Tensor]
@@ -196,3 +200,65 @@ def write_expert(
             for address, count in ((w13[r], 2 * part * h_bytes), (w2[r], H * part_bytes)):
                 values = _host_bytes(address, count)
                 np.bitwise_xor(values, layout.values_xor, out=values)
+
+
+def _parts(weights: LayerWeights, gpu_tp_count: object) -> int:
+    tp, inter = require_int("gpu_tp_count", gpu_tp_count, 1), weights.inter
+    down_group = weights.scale_groups["down"]
+    if inter % tp or (inter // tp) % max(down_group, 1):
+        keep = f" into whole blocks of {down_group} inputs per down scale" if down_group else ""
+        raise ValueError(f"gpu_tp_count={tp} must split moe_intermediate_size={inter} evenly{keep}")
+    return tp
+
+
+def layer_buffer_nbytes(weights: LayerWeights, method: str, gpu_tp_count: object) -> dict[str, int]:
+    """buffer_nbytes for a loaded layer (KTMoEWrapper.write_buffer_nbytes)."""
+    tp = _parts(weights, gpu_tp_count)
+    return buffer_nbytes(
+        weights.format, layout_of(method), tp, weights.hidden, weights.inter, weights.scale_groups
+    )
+
+
+def write_layer_expert(
+    weights: LayerWeights, method: str, gpu_tp_count: object, expert_id: object,
+    w13_weight_ptrs: object, w13_scale_ptrs: object, w2_weight_ptrs: object, w2_scale_ptrs: object,
+) -> None:  # fmt: skip
+    """KTMoEWrapper.submit_write_weight_scale_to_buffer: its arguments checked, then the write."""
+    if weights.zero_points or weights.bias_table is not None:
+        what = "zero points (asymmetric INT4)" if weights.zero_points else "expert biases"
+        raise NotImplementedError(
+            f"weights loaded with {what} have no GPU buffer layout: the buffers hold values and scales only"
+        )
+    fmt = weights.format
+    tp = _parts(weights, gpu_tp_count)
+    expert = require_int("expert_id", expert_id, 0)
+    if expert >= weights.num_experts:
+        raise ValueError(f"expert_id must be in [0, {weights.num_experts}), got {expert}")
+    w13 = require_addresses("w13_weight_ptrs", w13_weight_ptrs, tp)
+    w2 = require_addresses("w2_weight_ptrs", w2_weight_ptrs, tp)
+    if fmt.scale_groups:
+        s13 = require_addresses("w13_scale_ptrs", w13_scale_ptrs, tp)
+        s2 = require_addresses("w2_scale_ptrs", w2_scale_ptrs, tp)
+    else:
+        for name, ptrs in (("w13_scale_ptrs", w13_scale_ptrs), ("w2_scale_ptrs", w2_scale_ptrs)):
+            if ptrs is not None and not isinstance(ptrs, (list, tuple)):
+                raise TypeError(f"{name} must be a list, empty or None for {fmt.name}")
+        s13 = s2 = [0] * tp  # no scales
+    groups = weights.scale_groups
+    if groups["gate"] != groups["up"]:
+        raise ValueError(
+            f"gate and up were loaded with different {fmt.name} group sizes: w13 scale rows cannot hold both"
+        )
+    write_expert(
+        fmt,
+        layout_of(method),
+        weights.subpools,
+        weights.hidden,
+        weights.inter,
+        groups,
+        expert,
+        w13,
+        s13,
+        w2,
+        s2,
+    )
