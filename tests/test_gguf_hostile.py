@@ -53,7 +53,9 @@ def test_tensor_data_ranges_out_of_ggmls_order_are_refused(tmp_path, change):
             up_offset[0] = old
 
     patch(file, move)
-    with pytest.raises(CheckpointError, match=rf"{file}: tensor '{gate}' has its data at offset \d+, expected 0"):
+    with pytest.raises(
+        CheckpointError, match=rf"{file}: tensor '{gate}' has its data at offset \d+, expected 0"
+    ):
         GGUFLayerReader(file, 0, "GGUF")
 
 
@@ -72,12 +74,15 @@ def test_a_tensor_name_in_two_parts_of_a_split_set_is_refused(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(
-        CheckpointError, match=r"00002-of-00002.gguf: tensor 'blk.0.ffn_gate_exps.weight' is also in .*00001-of-00002"
+        CheckpointError,
+        match=r"00002-of-00002.gguf: tensor 'blk.0.ffn_gate_exps.weight' is also in .*00001-of-00002",
     ):
         GGUFLayerReader(tmp_path / "model-00001-of-00002.gguf", 0, "GGUF")
 
 
-@pytest.mark.parametrize("name", ["model-00001-of-00000.gguf", "model-00003-of-00002.gguf", "model-00000-of-00002.gguf"])
+@pytest.mark.parametrize(
+    "name", ["model-00001-of-00000.gguf", "model-00003-of-00002.gguf", "model-00000-of-00002.gguf"]
+)
 def test_a_split_name_that_numbers_no_part_is_refused(tmp_path, name):
     write_layer(tmp_path / name, Q8)
     with pytest.raises(CheckpointError, match=rf"{name}: part \d+ of \d+ is no part of a split set"):
@@ -92,7 +97,9 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused(tmp_path, key):
     write_layer(file, Q8, hidden=512, inter=256)
     GGUFLayerReader(file, 0, "GGUF", (512, 256))  # as written: agrees
     patch(file, lambda reader: reader.get_field(f"{ARCH}.{key}").parts[-1].__setitem__(0, 1024))
-    with pytest.raises(CheckpointError, match=rf"{file}: tensor 'blk.0.ffn_gate_exps.weight' .*{key} is 1024"):
+    with pytest.raises(
+        CheckpointError, match=rf"{file}: tensor 'blk.0.ffn_gate_exps.weight' .*{key} is 1024"
+    ):
         GGUFLayerReader(file, 0, "GGUF", (512, 256))
     with pytest.raises(CheckpointError, match=str(file)):
         GGUFLayerReader(file, 0, "GGUF")  # without sizes the metadata's are checked against the tensors
@@ -115,7 +122,9 @@ def test_a_file_changed_between_two_reads_is_an_error_not_a_signal(tmp_path, rew
             f.write(bytes(64))
         stat = file.stat()
         os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a coarse clock's same tick
-    with pytest.raises(CheckpointError, match=rf"{file}: changed since it was opened.*'blk.0.ffn_gate_exps.weight'"):
+    with pytest.raises(
+        CheckpointError, match=rf"{file}: changed since it was opened.*'blk.0.ffn_gate_exps.weight'"
+    ):
         reader.read(range(2, 4))
 
 

@@ -286,7 +286,9 @@ def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_held_anew(misfi
         other[1][EXPERTS - 1, 0, 1] = 1.0
     engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
     first_part_then(engine, tensors, other)
-    as_loaded = [torch.cat([t[: EXPERTS // 2], o[EXPERTS // 2 :]]) for t, o in zip(tensors, other, strict=True)]
+    as_loaded = [
+        torch.cat([t[: EXPERTS // 2], o[EXPERTS // 2 :]]) for t, o in zip(tensors, other, strict=True)
+    ]
     whole = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
     whole.load(*as_loaded, torch.arange(EXPERTS))
     fitting = EXPERTS * (

@@ -274,5 +274,7 @@ def test_an_expert_of_another_group_size_is_an_error_naming_its_scales(tmp_path,
             tensors[name] = others[name]  # expert 2's up_proj in groups of 64
     save_file(tensors, str(file))
     scales = base + ("weight_scale" if layout == "packed" else "scales")
-    with pytest.raises(sources.CheckpointError, match=rf"{file}: tensor '{scales}' has shape .* one group size"):
+    with pytest.raises(
+        sources.CheckpointError, match=rf"{file}: tensor '{scales}' has shape .* one group size"
+    ):
         checkpoint.read_layer(tmp_path / "model", 0, E, "RAWINT4" if layout == "packed" else "GPTQ_INT4")

@@ -129,12 +129,21 @@ def test_amx_tiles_leave_blocks_of_16_to_the_avx512_kernel():
 @pytest.mark.parametrize(
     "corrupt,words",
     [
-        ("global scale 0", r"experts\.3\.down_proj\.weight_scale_2' holds 0\.0: scales must be finite and positive"),
+        (
+            "global scale 0",
+            r"experts\.3\.down_proj\.weight_scale_2' holds 0\.0: scales must be finite and positive",
+        ),
         ("negative global scale", r"experts\.3\.down_proj\.weight_scale_2' holds -0\.5"),
-        ("negative block scale", r"experts\.3\.down_proj\.weight_scale' holds the block scale -.* at index \[2, 1\]"),
+        (
+            "negative block scale",
+            r"experts\.3\.down_proj\.weight_scale' holds the block scale -.* at index \[2, 1\]",
+        ),
         ("block scale -0", r"experts\.3\.down_proj\.weight_scale' holds the block scale -0\.0 \(code 0x80\)"),
         ("block scale NaN", r"experts\.3\.down_proj\.weight_scale' holds the block scale nan \(code 0x7F\)"),
-        ("no global scale", r"NVFP4 weight '.*experts\.3\.down_proj\.weight' .* lacks its F32 scale '.*_scale_2'"),
+        (
+            "no global scale",
+            r"NVFP4 weight '.*experts\.3\.down_proj\.weight' .* lacks its F32 scale '.*_scale_2'",
+        ),
     ],
 )
 def test_corrupt_nvfp4_scales_are_errors_naming_file_key_and_expert(tmp_path, corrupt, words):

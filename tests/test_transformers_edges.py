@@ -13,8 +13,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-import kt_kernel.integrations.transformers as kt_transformers  # noqa: E402
-
 from test_transformers import (  # noqa: E402, F401 (default_settings: autouse fixture)
     default_settings,
     experts_modules,
@@ -23,6 +21,8 @@ from test_transformers import (  # noqa: E402, F401 (default_settings: autouse f
     set_model_experts,
     tiny_model,
 )
+
+import kt_kernel.integrations.transformers as kt_transformers  # noqa: E402
 
 PROMPT = torch.randint(0, 100, (1, 6), generator=torch.Generator().manual_seed(4))
 
@@ -40,7 +40,9 @@ def test_trainable_experts_are_refused_not_left_without_grad():
     for module in experts_modules(model):
         module.requires_grad_(True)
     model.lm_head.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match=r"Qwen3MoeExperts: .*no backward.*gate_up_proj, down_proj require grad"):
+    with pytest.raises(
+        NotImplementedError, match=r"Qwen3MoeExperts: .*no backward.*gate_up_proj, down_proj require grad"
+    ):
         model(PROMPT).logits.sum().backward()
     model.eval()
     with torch.no_grad():  # inference of the same model is fine
@@ -81,10 +83,14 @@ def test_a_packed_model_without_its_weights_is_a_clear_error_to_copy_or_run_eage
     model = set_model_experts(tiny_model("qwen3_moe"), "kt_kernel")
     logits(model)
     for copier in (copy.deepcopy, pickle.dumps):
-        with pytest.raises(TypeError, match=r"keep_weights=False .* cannot be copied or pickled.*keep_weights=True"):
+        with pytest.raises(
+            TypeError, match=r"keep_weights=False .* cannot be copied or pickled.*keep_weights=True"
+        ):
             copier(model)
     set_model_experts(model, "eager")
-    with pytest.raises(ValueError, match=r"Qwen3MoeExperts: experts_implementation='eager' needs .*keep_weights=True"):
+    with pytest.raises(
+        ValueError, match=r"Qwen3MoeExperts: experts_implementation='eager' needs .*keep_weights=True"
+    ):
         logits(model)
     set_model_experts(model, "kt_kernel")  # back: the packed experts still run
     assert torch.isfinite(logits(model)).all()

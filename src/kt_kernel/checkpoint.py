@@ -18,8 +18,8 @@ rows, up the odd ones), as gpt-oss's ``gate_up[..., ::2]`` and ``[..., 1::2]``.
 
 read_layer and LayerReader take any of these, a Hugging Face model directory as it ships
 (kt_kernel.sources), or a GGUF model: a ``.gguf`` file, a split set, or a directory of .gguf files
-(kt_kernel.gguf_file; method GGUF for any of its experts, float ones as BF16; BF16 for float ones). Safetensors files
-are read through kt_kernel.safetensors_io.
+(kt_kernel.gguf_file; method GGUF for any of its experts, float ones as BF16; BF16 for float
+ones). Safetensors files are read through kt_kernel.safetensors_io.
 """
 
 from __future__ import annotations

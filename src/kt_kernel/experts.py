@@ -380,8 +380,8 @@ class KTMoEWrapper:
         """Load layer ``layer_idx`` from the checkpoint directory or GGUF model ``weight_path``.
 
         A directory written by ``kt-kernel convert`` (it holds kt_manifest.json) in the method's
-        format; a GGUF model (a .gguf file, a split set or a directory of them: method GGUF for any of its
-        experts, float ones held as BF16; BF16 for float ones); otherwise a Hugging Face model directory as it ships
+        format; a GGUF model (a .gguf file, a split set or a directory of them: method GGUF for any
+        of its experts, float ones held as BF16); otherwise a Hugging Face model directory as it ships
         (BF16, FP8, compressed-tensors or GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash or gpt-oss
         layout (with its expert biases; see kt_kernel.checkpoint).
         Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to, read and

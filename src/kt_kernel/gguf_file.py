@@ -86,7 +86,9 @@ def gguf_files(path: str | Path) -> tuple[Path, ...]:
         return (path,)
     count, number = int(split["count"]), int(split["number"])
     if not 1 <= number <= count:
-        raise CheckpointError(f"{path}: part {number} of {count} is no part of a split set (numbered 1 to its count)")
+        raise CheckpointError(
+            f"{path}: part {number} of {count} is no part of a split set (numbered 1 to its count)"
+        )
     parts = tuple(path.with_name(f"{split['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1))
     missing = [part.name for part in parts if not part.exists()]
     if missing:
@@ -202,8 +204,8 @@ class GGUFModel:
             for tensor in reader.tensors:
                 if tensor.name in self.tensors:  # ggml refuses a name twice: which copy is meant?
                     raise CheckpointError(
-                        f"{file}: tensor {tensor.name!r} is also in {self.tensors[tensor.name][0]}: a name may "
-                        "appear once in a split set"
+                        f"{file}: tensor {tensor.name!r} is also in {self.tensors[tensor.name][0]}: a name "
+                        "may appear once in a split set"
                     )
                 self.tensors[tensor.name] = (file, tensor)
         # What each file was when its data was mapped: a file changed since is not read (require_unchanged).

@@ -194,11 +194,15 @@ def experts_forward(
             name for name in EXPERT_PARAMETERS if getattr(getattr(module, name, None), "requires_grad", False)
         ]
         if hidden_states.requires_grad or trainable:
-            needs = f"its parameters {', '.join(trainable)} require grad" if trainable else "its input requires grad"
+            needs = (
+                f"its parameters {', '.join(trainable)} require grad"
+                if trainable
+                else "its input requires grad"
+            )
             raise NotImplementedError(
-                f"{type(module).__name__}: experts_implementation='kt_kernel' has no backward, and {needs}: run "
-                "the model under torch.no_grad() or torch.inference_mode() (generate does), or freeze the "
-                "experts (requires_grad_(False))"
+                f"{type(module).__name__}: experts_implementation='kt_kernel' has no backward, and {needs}: "
+                "run the model under torch.no_grad() or torch.inference_mode() (generate does), or freeze "
+                "the experts (requires_grad_(False))"
             )
     wrapper = module.__dict__.get(WRAPPER_ATTRIBUTE)
     if wrapper is None:
