@@ -212,9 +212,9 @@ class GGUFModel:
         self._identity = {file: reader.kt_identity for file, reader in zip(self.files, readers, strict=True)}
 
     def require_unchanged(self, file: Path, tensor: str) -> None:
-        """CheckpointError naming the file and tensor where ``file`` is no longer the file mapped (
-        rewritten or truncated in place): reading a mapped page past its new end is a SIGBUS, which
-        no ``except`` catches."""
+        """CheckpointError naming the file and tensor where ``file`` is no longer the file mapped
+        (rewritten or truncated in place): reading a mapped page past its new end is a SIGBUS,
+        which no ``except`` catches."""
         try:
             now = _identity(os.stat(file))
         except OSError as error:
@@ -255,9 +255,8 @@ class GGUFLayerReader:
 
     ``format_name``: GGUF_FORMAT (any experts: quantized ones as canonical values and scale/min
     pairs, float ones as bf16; ``held_format`` says which) or FLOAT_FORMAT (float experts only, as
-    bf16). ``sizes``: the caller's (hidden, intermediate); the
-    layer's tensors are checked against them, the model's metadata and each other here, before any
-    expert is read.
+    bf16). ``sizes``: the caller's (hidden, intermediate); the layer's tensors are checked against
+    them, the model's metadata and each other here, before any expert is read.
     """
 
     def __init__(
