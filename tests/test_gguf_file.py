@@ -300,21 +300,23 @@ def test_unsupported_type_names_file_tensor_and_the_supported_ones(tmp_path):
         convert_rows("IQ2_XXS", iq2)
 
 
-def test_float_experts_read_as_bf16_only(tmp_path):
+def test_float_experts_read_as_bf16(tmp_path):
+    """Float experts read as bf16, with method BF16 or GGUF (any GGUF layer: held_format says BF16)."""
     file = tmp_path / "model.gguf"
     reference = write_layer(file, {"gate": "BF16", "up": "BF16", "down": "BF16"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # bf16 is taken as it is: nothing to warn of
         tensors = GGUFLayerReader(file, 0, "BF16").read(range(1, 4))
+        as_gguf = GGUFLayerReader(file, 0, "GGUF")
     assert set(tensors) == {"gate", "up", "down"}
     assert_layer_matches(tensors, reference, slice(1, 4))
-    with pytest.raises(CheckpointError, match="is BF16, a float type: read it with method='BF16'"):
-        GGUFLayerReader(file, 0, "GGUF")
+    assert as_gguf.held_format == "BF16"
+    assert all(torch.equal(t, tensors[name]) for name, t in as_gguf.read(range(1, 4)).items())
 
     reference = write_layer(file, {"gate": "F16", "up": "F32", "down": "F16"})
     with pytest.warns(
         UserWarning,
-        match=r"rounds 'blk.0.ffn_gate_exps.weight' \(F16\), 'blk.0.ffn_up_exps.weight' \(F32\), .* to bf16",
+        match=r"as bf16: it rounds 'blk.0.ffn_gate_exps.weight' \(F16\), 'blk.0.ffn_up_exps.weight' \(F32\)",
     ):
         reader = GGUFLayerReader(file, 0, "BF16")
     assert_layer_matches(reader.read(4), reference)

@@ -265,10 +265,11 @@ def first_part_then(engine, tensors, later) -> None:
 
 
 @pytest.mark.parametrize("misfit", ["value off the levels", "scale off the factors", "a min where none were"])
-def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_refused(misfit):
-    """A load in parts (load_weights) holds a projection as the first part's data allows: a later
-    part that does not fit (another value, a scale off the grid, a min) is refused, and the layer
-    completes with a part that fits."""
+def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_held_anew(misfit):
+    """A load in parts (load_weights) holds a projection as the parts so far allow: a later part that
+    does not fit (another value, a scale off the grid, a min) is not refused but holds the projection
+    anew, as one load of the whole layer holds it, every expert exactly as loaded: whether a valid
+    layer loads never depends on which experts come first."""
     from kt_kernel._native import ext
 
     g = torch.Generator().manual_seed(6)
@@ -284,12 +285,24 @@ def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_refused(misfit)
     else:
         other[1][EXPERTS - 1, 0, 1] = 1.0
     engine = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
-    with pytest.raises(ValueError, match="must fit how the parts before it are held"):
-        first_part_then(engine, tensors, other)
-    first_part_then(engine, tensors, tensors)
-    assert engine.packed_bytes() == EXPERTS * (
+    first_part_then(engine, tensors, other)
+    as_loaded = [
+        torch.cat([t[: EXPERTS // 2], o[EXPERTS // 2 :]]) for t, o in zip(tensors, other, strict=True)
+    ]
+    whole = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    whole.load(*as_loaded, torch.arange(EXPERTS))
+    fitting = EXPERTS * (
         2 * held_bytes(INTER, HIDDEN, 32, True, True, mins) + held_bytes(HIDDEN, INTER, 32, True, True, mins)
     )
+    assert engine.packed_bytes() == whole.packed_bytes() > fitting  # gate held as the whole layer needs
+    for expert in (0, EXPERTS // 2 - 1, EXPERTS - 1):
+        values, pairs = torch.empty(INTER, HIDDEN, dtype=torch.int8), torch.empty(INTER, 2 * HIDDEN // 32)
+        engine.unpack("gate", expert, 0, INTER, 0, HIDDEN, values.data_ptr(), HIDDEN, pairs.data_ptr(),
+                      pairs.shape[1] * 4)  # fmt: skip
+        assert torch.equal(values, as_loaded[0][expert]) and same_bits(pairs, as_loaded[1][expert]), expert
+    engine.unload()  # a new load in parts, of parts that fit: held as the first part allows
+    first_part_then(engine, tensors, tensors)
+    assert engine.packed_bytes() == fitting
 
 
 @pytest.mark.parametrize("factored", [False, True], ids=["fp32-scales", "factored"])

@@ -255,3 +255,26 @@ def test_gptq_zero_points_of_the_wrong_shape_or_dtype_are_refused(tmp_path, bad)
     moe = moe_wrapper(E, K, H, I, method="GPTQ_INT4", weight_path=str(tmp_path / "model"))
     with pytest.raises(ValueError, match=rf"{key}: .* expected int32 \[8, 16\]"):
         moe.load_weights()
+
+
+@pytest.mark.parametrize("layout", ["packed", "gptq"])
+def test_an_expert_of_another_group_size_is_an_error_naming_its_scales(tmp_path, layout):
+    """The experts of a layer are stacked into one tensor: one expert's group size differing (its
+    own scales well formed) was torch's "The expanded size of the tensor ... must match"."""
+    from safetensors.torch import load_file, save_file
+
+    write_layer(tmp_path / "model", layout, 32)
+    other = tmp_path / "other"
+    write_layer(other, layout, 64)
+    file = tmp_path / "model" / "model.safetensors"
+    tensors, others = load_file(str(file)), load_file(str(other / "model.safetensors"))
+    base = "model.layers.0.mlp.experts.2.up_proj."
+    for name in others:
+        if name.startswith(base):
+            tensors[name] = others[name]  # expert 2's up_proj in groups of 64
+    save_file(tensors, str(file))
+    scales = base + ("weight_scale" if layout == "packed" else "scales")
+    with pytest.raises(
+        sources.CheckpointError, match=rf"{file}: tensor '{scales}' has shape .* one group size"
+    ):
+        checkpoint.read_layer(tmp_path / "model", 0, E, "RAWINT4" if layout == "packed" else "GPTQ_INT4")

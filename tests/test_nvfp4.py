@@ -124,3 +124,49 @@ def test_amx_tiles_leave_blocks_of_16_to_the_avx512_kernel():
         assert (emulated.kernel_info()["emulated_tile_products"] > before) == tiled
         expected = ref if group == 16 else x.double() @ weight.T
         assert relative_error(y, expected) < 1e-5, group
+
+
+@pytest.mark.parametrize(
+    "corrupt,words",
+    [
+        (
+            "global scale 0",
+            r"experts\.3\.down_proj\.weight_scale_2' holds 0\.0: scales must be finite and positive",
+        ),
+        ("negative global scale", r"experts\.3\.down_proj\.weight_scale_2' holds -0\.5"),
+        (
+            "negative block scale",
+            r"experts\.3\.down_proj\.weight_scale' holds the block scale -.* at index \[2, 1\]",
+        ),
+        ("block scale -0", r"experts\.3\.down_proj\.weight_scale' holds the block scale -0\.0 \(code 0x80\)"),
+        ("block scale NaN", r"experts\.3\.down_proj\.weight_scale' holds the block scale nan \(code 0x7F\)"),
+        (
+            "no global scale",
+            r"NVFP4 weight '.*experts\.3\.down_proj\.weight' .* lacks its F32 scale '.*_scale_2'",
+        ),
+    ],
+)
+def test_corrupt_nvfp4_scales_are_errors_naming_file_key_and_expert(tmp_path, corrupt, words):
+    """FP8 and MXFP8 refuse a scale that is not finite and positive: NVFP4's per-tensor scale too, and
+    block scales with E4M3's sign bit or NaN code (they loaded silently, 93-158 % off)."""
+    from safetensors.torch import load_file
+
+    from kt_kernel.safetensors_io import CheckpointError
+
+    write_modelopt(tmp_path, expert_weights(5))
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    key = "model.layers.0.mlp.experts.3.down_proj.weight"
+    block = tensors[key + "_scale"].view(torch.uint8)
+    if corrupt == "global scale 0":
+        tensors[key + "_scale_2"] = torch.tensor(0.0)
+    elif corrupt == "negative global scale":
+        tensors[key + "_scale_2"] = torch.tensor(-0.5)
+    elif corrupt == "no global scale":
+        del tensors[key + "_scale_2"]
+    else:
+        block[2, 1] = {"negative block scale": block[2, 1] | 0x80, "block scale -0": 0x80}.get(corrupt, 0x7F)
+    save_file(tensors, str(file))
+    moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4", weight_path=str(tmp_path))
+    with pytest.raises(CheckpointError, match=rf"{file}: .*{words}"):
+        moe.load_weights()

@@ -157,8 +157,9 @@ def test_masks_of_the_wrong_kind_are_errors_naming_the_argument(mask, error, mat
     [
         (torch.zeros(2, E, device="meta"), ValueError, "meta tensor"),
         (torch.zeros(2, E).to_sparse(), TypeError, "dense tensor"),
+        (torch.nested.nested_tensor([torch.zeros(E), torch.zeros(E)]), TypeError, "activation_freq .*nested"),
     ],
-    ids=["meta", "sparse"],
+    ids=["meta", "sparse", "nested"],
 )
 def test_activation_frequencies_of_the_wrong_kind_are_errors_naming_the_argument(freq, error, match):
     from kt_kernel import generate_gpu_experts_masks

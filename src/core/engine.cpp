@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "bf16.h"
 #include "kernels.h"
@@ -160,10 +161,10 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
                     held_layout(format_, down, num_sources, H, I));
     w.packed.assign(E, 0);
   } else {
-    require(holds(format_, w.gate, gate, num_sources) && holds(format_, w.up, up, num_sources) &&
-                holds(format_, w.down, down, num_sources),
-            "a part of a load must fit how the parts before it are held: only values of their 16 levels (held as "
-            "4-bit indices), scales factored as theirs are, mins only where they have mins");
+    // A part the layout so far cannot hold (a valid layer whose later experts differ) is not refused:
+    // the projection is held anew in the layout of all its experts (rehold).
+    for (auto [dst, src] : {std::pair{&w.gate, gate}, std::pair{&w.up, up}, std::pair{&w.down, down}})
+      if (!holds(format_, *dst, src, num_sources)) rehold(format_, *dst, w.packed, src, source_of_slot);
     if (gate.zeros != nullptr) w.gate.add_zero_points(format_, E);
     if (up.zeros != nullptr) w.up.add_zero_points(format_, E);
     if (down.zeros != nullptr) w.down.add_zero_points(format_, E);

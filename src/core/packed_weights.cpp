@@ -98,6 +98,38 @@ void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix
     dst.pack_zero_offsets(format, expert);
 }
 
+void rehold(const FormatTraits& format, PackedProjection& dst, const std::vector<uint8_t>& packed,
+            const SourceProjection& src, const int64_t* source_of_slot) {
+  const int rows = dst.rows, k = dst.k;
+  const size_t row_scale_bytes = format.scales_per_row(k, dst.scale_group) * format.scale_bytes();
+  const size_t value_bytes = size_t(rows) * format.row_bytes(k), scale_bytes = size_t(rows) * row_scale_bytes;
+  std::vector<int> slots;  // the canonical matrices gathered: the slots held so far, then the part's
+  for (int slot = 0; slot < int(packed.size()); ++slot)
+    if (packed[slot] && source_of_slot[slot] < 0) slots.push_back(slot);
+  const size_t held = slots.size();
+  for (int slot = 0; slot < int(packed.size()); ++slot)
+    if (source_of_slot[slot] >= 0) slots.push_back(slot);
+  std::vector<uint8_t> values(slots.size() * value_bytes), scales(slots.size() * scale_bytes);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    uint8_t* v = values.data() + i * value_bytes;
+    uint8_t* s = scales.data() + i * scale_bytes;
+    if (i < held) {
+      const UnpackRegion whole{0, rows, 0, k, v, format.row_bytes(k), s, row_scale_bytes};
+      format.unpack(dst.groups(slots[i], 0, packed_groups(rows)), whole);
+    } else {
+      const size_t matrix = size_t(source_of_slot[slots[i]]);
+      std::memcpy(v, static_cast<const uint8_t*>(src.values) + matrix * value_bytes, value_bytes);
+      std::memcpy(s, static_cast<const uint8_t*>(src.scales) + matrix * scale_bytes, scale_bytes);
+    }
+  }
+  const SourceProjection all{values.data(), scales.data(), dst.scale_group};
+  PackedProjection fresh;
+  fresh.allocate(format, int(packed.size()), rows, k, dst.scale_group, false,
+                 held_layout(format, all, slots.size(), rows, k));
+  for (size_t i = 0; i < held; ++i) pack_matrix(format, all, i, fresh, slots[i]);
+  dst = std::move(fresh);
+}
+
 bool ExpertWeights::ready() const {
   for (size_t slot = 0; slot < packed.size(); ++slot)
     if (!packed[slot] && !skip[slot]) return false;

@@ -80,4 +80,12 @@ bool holds(const FormatTraits& format, const PackedProjection& dst, const Source
 // Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert);
 
+// A later part of a load that dst's layout cannot hold (holds is false): the slots packed so far
+// (`packed`) are unpacked and held anew, with the part's matrices, in the layout that holds them all
+// (what one load of them would choose), so that whether a valid layer loads never depends on which
+// experts come first. The part's slots are left for the caller to pack. Formats that choose by the
+// data only (they have no zero points).
+void rehold(const FormatTraits& format, PackedProjection& dst, const std::vector<uint8_t>& packed,
+            const SourceProjection& src, const int64_t* source_of_slot);
+
 KT_NAMESPACE_END

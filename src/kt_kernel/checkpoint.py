@@ -18,8 +18,8 @@ rows, up the odd ones), as gpt-oss's ``gate_up[..., ::2]`` and ``[..., 1::2]``.
 
 read_layer and LayerReader take any of these, a Hugging Face model directory as it ships
 (kt_kernel.sources), or a GGUF model: a ``.gguf`` file, a split set, or a directory of .gguf files
-(kt_kernel.gguf_file; method GGUF for its quantized experts, BF16 for float ones). Safetensors files
-are read through kt_kernel.safetensors_io.
+(kt_kernel.gguf_file; method GGUF for any of its experts, float ones as BF16; BF16 for float
+ones). Safetensors files are read through kt_kernel.safetensors_io.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from . import formats
-from .gguf_file import GGUFLayerReader, is_gguf_checkpoint
+from .gguf_file import GGUF_FORMAT, GGUFLayerReader, gguf_layer_format, is_gguf_checkpoint
 from .safetensors_io import (
     CheckpointError,
     TensorReader,
@@ -215,6 +215,19 @@ def read_converted_layer(
             return {out: f.get_slice(name)[experts.start : experts.stop] for out, name in names.items()}
     except Exception as error:  # safetensors and torch raise assorted types for bad data
         raise CheckpointError(f"{file}: cannot read layer {layer} ({error})") from error
+
+
+def engine_format(path: str | Path | None, layer: int, method: str) -> str:
+    """The format the engine holds layer ``layer`` read from ``path`` with ``method`` in: the
+    method's, except that method GGUF (LLAMAFILE) holds a GGUF model's float experts as BF16. A model
+    that cannot be opened counts as the method's: load_weights reports it."""
+    name = formats.get(method).name
+    if name != GGUF_FORMAT or path is None or not is_gguf_checkpoint(path):
+        return name
+    try:
+        return gguf_layer_format(path, layer)
+    except (CheckpointError, ImportError):
+        return name
 
 
 def read_layer(path: str | Path, layer: int, experts: Experts, method: str) -> dict[str, torch.Tensor]:

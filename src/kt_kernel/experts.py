@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import deferred, formats, stream_path, write_back
+from . import checkpoint, deferred, formats, stream_path, write_back
 from ._native import ext
 from .arguments import THREADS_PER_CPU_LIMIT, check_gpu_mask, check_layer_options, initial_gpu_mask
 from .direct_path import DirectForward
@@ -94,7 +94,8 @@ class KTMoEWrapper:
         o = check_layer_options(locals(), ext.MAX_DIMENSION)  # the arguments as given, checked by name
         for name, value in vars(o).items():  # public, under upstream's names
             setattr(self, name, value)
-        self._format = formats.get(method)
+        # A GGUF model's float experts under method GGUF are held as BF16 (checkpoint.engine_format).
+        self._format = formats.get(checkpoint.engine_format(weight_path, self.layer_idx, method))
         self._format.check_dimensions(
             {"hidden_size": hidden_size, "moe_intermediate_size": moe_intermediate_size}
         )
@@ -245,8 +246,8 @@ class KTMoEWrapper:
         """Load layer ``layer_idx`` from the checkpoint directory or GGUF model ``weight_path``.
 
         A directory written by ``kt-kernel convert`` (it holds kt_manifest.json) in the method's
-        format; a GGUF model (a .gguf file, a split set or a directory of them: method GGUF for its
-        quantized experts, BF16 for float ones); otherwise a Hugging Face model directory as it ships
+        format; a GGUF model (a .gguf file, a split set or a directory of them: method GGUF for any
+        of its experts, float ones held as BF16); otherwise a Hugging Face model directory as it ships
         (BF16, FP8, compressed-tensors or GPTQ INT4) or, for MXFP4, the DeepSeek-V4-Flash or gpt-oss
         layout (with its expert biases; see kt_kernel.checkpoint).
         Experts 0..E-1 of the layer, or as many as physical_to_logical_map_cpu refers to, read and

@@ -9,8 +9,11 @@ memory-maps the data. ggml writes a shape innermost first, so ``[K, N, E]`` is t
 
 Quantized experts become, per kt_kernel.gguf_blocks, int8 values ``[E, N, K]`` and float32
 (scale, min) pairs ``[E, N, 2 * K / G]``; each projection has its own ggml type and so its own G.
-Float experts (BF16, F16, F32) are read only as BF16. Anything this module cannot read as asked is
-a CheckpointError naming the file and the tensor.
+Float experts (BF16, F16, F32) are read as BF16, with method GGUF as with BF16 (a warning where
+F16/F32 round). A file is checked as ggml's loader checks it (each tensor's data where the one
+before it ends, a tensor name once in a split set) and again before each read (a file rewritten
+since it was mapped is not read: its pages could be gone). Anything this module cannot read as
+asked is a CheckpointError naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -81,7 +84,11 @@ def gguf_files(path: str | Path) -> tuple[Path, ...]:
     split = SPLIT_NAME.match(path.name)
     if split is None:
         return (path,)
-    count = int(split["count"])
+    count, number = int(split["count"]), int(split["number"])
+    if not 1 <= number <= count:
+        raise CheckpointError(
+            f"{path}: part {number} of {count} is no part of a split set (numbered 1 to its count)"
+        )
     parts = tuple(path.with_name(f"{split['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1))
     missing = [part.name for part in parts if not part.exists()]
     if missing:
@@ -89,11 +96,31 @@ def gguf_files(path: str | Path) -> tuple[Path, ...]:
     return parts
 
 
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    return status.st_dev, status.st_size, status.st_ino, status.st_mtime_ns
+
+
+def _check_data_ranges(file: Path, reader: Any) -> None:
+    """ggml's rule: each tensor's data starts where the one before it ends, padded to the file's
+    alignment (gguf.cpp). Two tensors on one range, or swapped, would load as each other's data."""
+    expected = 0
+    for tensor in reader.tensors:
+        offset = tensor.data_offset - reader.data_offset
+        if offset != expected:
+            raise CheckpointError(
+                f"{file}: tensor {tensor.name!r} has its data at offset {offset}, expected {expected} (where "
+                "the tensor before it ends, padded): a corrupt tensor table"
+            )
+        expected += -(-int(tensor.n_bytes) // reader.alignment) * reader.alignment
+
+
 @functools.lru_cache(maxsize=16)
-def _cached_reader(file: str, inode: int, size: int, mtime_ns: int) -> Any:
-    """One GGUFReader per file version: parsing a header (a tokenizer's ~150k strings) takes a
-    while, and LayerReader opens the model once per layer."""
-    return _gguf().GGUFReader(file, "r")
+def _cached_reader(file: str, identity: tuple[int, int, int, int]) -> Any:
+    """One GGUFReader per file version (``identity``, kept on the reader): parsing a header (a
+    tokenizer's ~150k strings) takes a while, and LayerReader opens the model once per layer."""
+    reader = _gguf().GGUFReader(file, "r")
+    reader.kt_identity = identity
+    return reader
 
 
 def open_gguf(file: Path) -> Any:
@@ -108,7 +135,7 @@ def open_gguf(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a regular file")
     _gguf()  # an ImportError, not a corrupt file, when the package is missing
     try:
-        reader = _cached_reader(str(file), status.st_ino, status.st_size, status.st_mtime_ns)
+        reader = _cached_reader(str(file), _identity(status))
     except Exception as error:
         raise CheckpointError(f"{file}: not a valid GGUF file ({type(error).__name__}: {error})") from error
     if reader.byte_order != "I":
@@ -171,11 +198,32 @@ class GGUFModel:
                 raise CheckpointError(
                     f"{file}: split.no is {_scalar_field(reader, 'split.no')}, not {number}"
                 )
-        self.tensors: dict[str, tuple[Path, Any]] = {
-            tensor.name: (file, tensor)
-            for file, reader in zip(self.files, readers, strict=True)
-            for tensor in reader.tensors
-        }
+        self.tensors: dict[str, tuple[Path, Any]] = {}
+        for file, reader in zip(self.files, readers, strict=True):
+            _check_data_ranges(file, reader)
+            for tensor in reader.tensors:
+                if tensor.name in self.tensors:  # ggml refuses a name twice: which copy is meant?
+                    raise CheckpointError(
+                        f"{file}: tensor {tensor.name!r} is also in {self.tensors[tensor.name][0]}: a name "
+                        "may appear once in a split set"
+                    )
+                self.tensors[tensor.name] = (file, tensor)
+        # What each file was when its data was mapped: a file changed since is not read (require_unchanged).
+        self._identity = {file: reader.kt_identity for file, reader in zip(self.files, readers, strict=True)}
+
+    def require_unchanged(self, file: Path, tensor: str) -> None:
+        """CheckpointError naming the file and tensor where ``file`` is no longer the file mapped
+        (rewritten or truncated in place): reading a mapped page past its new end is a SIGBUS,
+        which no ``except`` catches."""
+        try:
+            now = _identity(os.stat(file))
+        except OSError as error:
+            raise CheckpointError(f"{file}: tensor {tensor!r} cannot be read ({error})") from error
+        if now != self._identity[file]:
+            raise CheckpointError(
+                f"{file}: changed since it was opened (size {self._identity[file][1]} -> {now[1]} bytes): "
+                f"tensor {tensor!r} is not read from a file being rewritten; load again once it is complete"
+            )
 
     @property
     def where(self) -> str:
@@ -205,10 +253,10 @@ class _ExpertTensor:
 class GGUFLayerReader:
     """The routed experts of one layer of a GGUF model, a range of experts at a time.
 
-    ``format_name``: GGUF_FORMAT (quantized experts, as canonical values and scale/min pairs) or
-    FLOAT_FORMAT (float experts, as bf16). ``sizes``: the caller's (hidden, intermediate); the
-    layer's tensors are checked against them, the model's metadata and each other here, before any
-    expert is read.
+    ``format_name``: GGUF_FORMAT (any experts: quantized ones as canonical values and scale/min
+    pairs, float ones as bf16; ``held_format`` says which) or FLOAT_FORMAT (float experts only, as
+    bf16). ``sizes``: the caller's (hidden, intermediate); the layer's tensors are checked against
+    them, the model's metadata and each other here, before any expert is read.
     """
 
     def __init__(
@@ -216,7 +264,7 @@ class GGUFLayerReader:
     ) -> None:
         if format_name not in (GGUF_FORMAT, FLOAT_FORMAT):
             raise ValueError(
-                f"{path}: a GGUF checkpoint is read with method {GGUF_FORMAT!r} (quantized experts) or "
+                f"{path}: a GGUF checkpoint is read with method {GGUF_FORMAT!r} (any experts) or "
                 f"{FLOAT_FORMAT!r} (float experts), not {format_name!r}"
             )
         self.model = GGUFModel(path)
@@ -224,7 +272,8 @@ class GGUFLayerReader:
         self.projections = {p: self._find(expert_tensor_name(layer, p)) for p in PROJECTIONS}
         self._refuse_unknown_tensors()
         self.experts, self.intermediate, self.hidden = self._check_shapes(sizes)
-        self._check_types()
+        #: The engine format the experts are read as: method GGUF reads float experts as BF16 too.
+        self.held_format = self._check_types()
         self.biases = {p: self._bias(p) for p in PROJECTIONS}
 
     @property
@@ -274,9 +323,19 @@ class GGUFLayerReader:
                     f"has shape [E, N, K] = {list(tensor.shape)}; layer {self.layer} has {experts} experts, "
                     f"hidden size {hidden} and intermediate size {inter}: expected {list(expected)}"
                 )
+        # The caller's sizes agree with the tensors: the metadata must too (llama.cpp reads it).
+        for key, declared, actual in (
+            ("embedding_length", info.embedding_length, hidden),
+            ("expert_feed_forward_length", info.expert_feed_forward_length, inter),
+        ):
+            if declared is not None and declared != actual:
+                raise gate.fail(
+                    f"has shape [E, N, K] = {list(gate.shape)}, but the metadata's {info.architecture}.{key} "
+                    f"is {declared}, not {actual}: the file disagrees with itself"
+                )
         return experts, inter, hidden
 
-    def _check_types(self) -> None:
+    def _check_types(self) -> str:
         quantized_types, float_types = ", ".join(BLOCK_TYPES), ", ".join(FLOAT_TYPES)
         supported = f"{quantized_types} (method {GGUF_FORMAT}), {float_types} (method {FLOAT_FORMAT})"
         for tensor in self.projections.values():
@@ -291,21 +350,21 @@ class GGUFLayerReader:
                 f"is {floats[0].type_name} while {quantized[0].name!r} is {quantized[0].type_name}: a layer "
                 "mixing float and quantized projections fits no single engine format"
             )
-        if self.format_name == GGUF_FORMAT and floats:
-            raise floats[0].fail(
-                f"is {floats[0].type_name}, a float type: read it with method={FLOAT_FORMAT!r}"
-            )
         if self.format_name == FLOAT_FORMAT and quantized:
             raise quantized[0].fail(
                 f"is {quantized[0].type_name}, a quantized type: read it with method={GGUF_FORMAT!r}"
             )
         if quantized:
             self._warn_of_memory(quantized)
+            return GGUF_FORMAT
         rounded = [f"{t.name!r} ({t.type_name})" for t in floats if t.type_name != "BF16"]
         if rounded:
             warnings.warn(
-                f"{floats[0].file}: method {FLOAT_FORMAT} rounds {', '.join(rounded)} to bf16", stacklevel=3
+                f"{floats[0].file}: method {self.format_name} holds float experts as bf16: it rounds "
+                f"{', '.join(rounded)}",
+                stacklevel=3,
             )
+        return FLOAT_FORMAT
 
     def _warn_of_memory(self, tensors: list[_ExpertTensor]) -> None:
         """The engine holds every quantized type exactly, as a byte (a 4-bit index for the types of
@@ -353,8 +412,9 @@ class GGUFLayerReader:
         rows = slice(experts.start, experts.stop)
         result: dict[str, torch.Tensor] = {}
         for projection, tensor in self.projections.items():
+            self.model.require_unchanged(tensor.file, tensor.name)
             try:
-                if self.format_name == GGUF_FORMAT:
+                if self.held_format == GGUF_FORMAT:
                     values, pairs = convert_rows(tensor.type_name, tensor.data[rows])
                     self._require_finite(tensor, pairs, experts.start)
                     result[f"{projection}_scale"] = torch.from_numpy(pairs)
@@ -365,6 +425,8 @@ class GGUFLayerReader:
                 raise tensor.fail(f"cannot be read ({error})") from error
         for projection, bias in self.biases.items():
             if bias is not None:
+                name = expert_tensor_name(self.layer, projection, "bias")
+                self.model.require_unchanged(self.model.tensors[name][0], name)
                 result[f"{projection}_bias"] = torch.from_numpy(np.array(bias[rows], dtype=np.float32))
         return result
 
@@ -378,6 +440,13 @@ class GGUFLayerReader:
                 f"holds a non-finite {kind} (expert {first_expert + expert}, row {row}, "
                 f"group {column // 2}): a corrupt block"
             )
+
+
+def gguf_layer_format(path: str | Path, layer: int) -> str:
+    """The engine format method GGUF holds layer ``layer`` of the GGUF model at ``path`` in: BF16
+    where its experts are float, else GGUF. CheckpointError where the model cannot be opened."""
+    entry = GGUFModel(path).tensors.get(expert_tensor_name(layer, "gate"))
+    return FLOAT_FORMAT if entry is not None and entry[1].tensor_type.name in FLOAT_TYPES else GGUF_FORMAT
 
 
 def _as_bf16(type_name: str, data: np.ndarray) -> torch.Tensor:

@@ -16,6 +16,8 @@ def generate_gpu_experts_masks(activation_freq: torch.Tensor, num_gpu_experts: i
     """
     if not isinstance(activation_freq, torch.Tensor):
         raise TypeError(f"activation_freq must be a torch.Tensor, got {type(activation_freq).__name__}")
+    if activation_freq.is_nested:  # its layout may read strided: it has no one shape to sort
+        raise TypeError("activation_freq must be a dense tensor, got a nested tensor")
     if activation_freq.layout != torch.strided:
         raise TypeError(f"activation_freq must be a dense tensor, got layout {activation_freq.layout}")
     if activation_freq.is_meta:

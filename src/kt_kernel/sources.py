@@ -223,7 +223,7 @@ class ExpertSource:
         """Check that every expert tensor of the layer exists with consistent shapes (headers only)."""
         if self.naming.fused:
             return self._describe_fused(layer)
-        dtypes, shapes, stored_as = set(), {}, {}
+        dtypes, shapes, stored_as, int4_scales = set(), {}, {}, {}
         for expert in range(self.experts[layer]):
             for projection in range(3):
                 key = self.key(projection, layer, expert)
@@ -232,6 +232,14 @@ class ExpertSource:
                 expected = shapes.setdefault(projection, shape)
                 if shape != expected:
                     raise CheckpointError(f"tensor {key!r} has shape {shape}, expert 0 has {expected}")
+                if dtype == _INT4_DTYPE:  # the group size is the scales' shape: one for the layer
+                    scale_key = self._int4_scale_key(key)
+                    scale = self.reader.header(scale_key)[1]
+                    if scale != int4_scales.setdefault(projection, scale):
+                        raise CheckpointError(
+                            f"{self.files[scale_key]}: tensor {scale_key!r} has shape {scale}, expert 0's "
+                            f"{int4_scales[projection]}: the experts of a layer share one group size"
+                        )
                 # Float types may mix (each is read as it is); a quantized one may not: its codes and
                 # scales would be read as another type's.
                 first = stored_as.setdefault(projection, dtype)
@@ -267,7 +275,8 @@ class ExpertSource:
         if key not in self.reader and self._int4_layout(key):
             return _INT4_DTYPE, self._int4_shape(key)
         dtype, shape = self.reader.header(key)
-        if dtype == "U8" and key + "_scale_2" in self.reader:
+        # NVFP4: U8 with its E4M3 block scales; a missing per-tensor scale is named as such.
+        if dtype == "U8" and (key + "_scale_2" in self.reader or key + "_scale" in self.reader):
             return _NVFP4_DTYPE, self._nvfp4_shape(key, shape)
         if dtype == _FP8_DTYPE:
             scale_key, expected = self._fp8_scale(key, shape)
@@ -295,6 +304,11 @@ class ExpertSource:
             key + "_scale_2": ("F32", [[], [1]]),
         }
         for scale_key, (dtype, shapes) in expected.items():
+            if scale_key not in self.reader:
+                raise CheckpointError(
+                    f"{self.files[key]}: NVFP4 weight {key!r} (U8 E2M1 pairs) lacks its {dtype} scale "
+                    f"{scale_key!r}"
+                )
             got_dtype, got_shape = self.reader.header(scale_key)
             if got_dtype != dtype or got_shape not in shapes or k % formats.NVFP4_BLOCK:
                 raise CheckpointError(
@@ -306,11 +320,24 @@ class ExpertSource:
     def _read_nvfp4(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """An NVFP4 weight as FP8 codes [N, K] and float32 scales [N, K/16] (formats.nvfp4_to_fp8)."""
         global_scale = self.reader.read(key + "_scale_2").reshape(())
-        if not bool(torch.isfinite(global_scale)):
+        if not bool(torch.isfinite(global_scale) & (global_scale > 0)):
             raise CheckpointError(
-                f"tensor {key + '_scale_2'!r} holds {global_scale.item()}: scales must be finite"
+                f"{self.files[key]}: tensor {key + '_scale_2'!r} holds {global_scale.item()}: scales must "
+                "be finite and positive"
             )
-        return formats.nvfp4_to_fp8(self.reader.read(key), self.reader.read(key + "_scale"), global_scale)
+        block_scales = self.reader.read(key + "_scale")
+        codes = block_scales.view(torch.uint8)
+        # E4M3's sign bit (a negative scale, or -0) and its NaN codes 0x7F/0xFF: no scale ModelOpt writes.
+        bad = (codes >= 0x80) | (codes == 0x7F)
+        if bool(bad.any()):
+            where = bad.nonzero()[0].tolist()
+            raise CheckpointError(
+                f"{self.files[key]}: tensor {key + '_scale'!r} holds the block scale "
+                f"{block_scales.view(torch.float8_e4m3fn)[tuple(where)].item()} (code "
+                f"0x{int(codes[tuple(where)]):02X}) at index {where}: block scales must be finite and "
+                "non-negative"
+            )
+        return formats.nvfp4_to_fp8(self.reader.read(key), block_scales, global_scale)
 
     def _fp8_scale(self, key: str, shape: list[int]) -> tuple[str, list[list[int]]]:
         """The scale tensor of an FP8 weight and the shapes it may have: ``weight_scale_inv`` per
@@ -328,6 +355,11 @@ class ExpertSource:
             if base + suffix in self.reader:
                 return layout
         return None
+
+    def _int4_scale_key(self, key: str) -> str:
+        """The scales of the packed INT4 weight named like ``key``."""
+        suffix = "weight_scale" if self._int4_layout(key) == "packed" else "scales"
+        return key.removesuffix("weight") + suffix
 
     def _int4_shape(self, key: str) -> list[int]:
         """[N, K] of a packed INT4 weight, its companion tensors checked (headers only)."""

@@ -144,6 +144,11 @@ def _checked_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
             f"{type(module).__name__}.{name} is {tensor.dtype}: kt_kernel reads float expert weights "
             "(bf16, fp16, fp32); load a quantized checkpoint dequantized (docs/transformers.md)"
         )
+    if tensor.is_meta:
+        raise ValueError(
+            f"{type(module).__name__}.{name} is on the meta device: it holds no weights to pack (load the "
+            "model's weights onto the CPU first)"
+        )
     if tensor.numel() == 0:
         raise ValueError(
             f"{type(module).__name__}.{name} is empty: its weights were released after packing "

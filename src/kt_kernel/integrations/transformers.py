@@ -7,11 +7,14 @@ transformers calls ``experts_forward(module, hidden_states, top_k_index, top_k_w
 experts module. At a module's first call its weights are packed into a KTMoEWrapper kept on the module
 (``_kt_kernel_experts``), in the format ``configure`` set, and the module's expert parameters are
 released (emptied) unless ``keep_weights``. Every module's wrapper runs on the same worker threads
-(KTMoEWrapper shares them between wrappers of one configuration).
+(KTMoEWrapper shares them between wrappers of one configuration). A copy of a packed module
+(copy.deepcopy, pickle) packs again at its first call, from the weights it kept; one whose weights
+were released cannot be copied, nor run by another experts_implementation (a clear error says so).
 """
 
 from __future__ import annotations
 
+import copyreg
 import itertools
 import os
 import threading
@@ -131,14 +134,45 @@ def _pack(module: torch.nn.Module, top_k: int) -> KTMoEWrapper:
             ) from error
         wrapper.load_weights_from_tensors(tensors.gate, tensors.up, tensors.down, **tensors.biases())
         del tensors
+        wrapper._kt_module_weights_kept = config.keep_weights  # what a copy may pack again from
         if not config.keep_weights:
             for name in EXPERT_PARAMETERS:
                 parameter = getattr(module, name, None)
                 if isinstance(parameter, torch.Tensor):
                     # In place: the Parameter stays registered (state_dict, named_parameters), empty.
                     parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+            module.register_forward_pre_hook(_refuse_other_implementations)
         setattr(module, WRAPPER_ATTRIBUTE, wrapper)
         return wrapper
+
+
+def _refuse_other_implementations(module: torch.nn.Module, args: tuple) -> None:
+    """A forward pre-hook of a module whose weights were released: any experts_implementation but
+    this one reads them (transformers' eager indexes them: an IndexError deep inside it)."""
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", NAME)
+    if implementation != NAME:
+        raise ValueError(
+            f"{type(module).__name__}: experts_implementation={implementation!r} needs the expert weights, "
+            f"which experts_implementation={NAME!r} released when it packed them (keep_weights=False, the "
+            f"default); call kt_kernel.integrations.transformers.configure(keep_weights=True) before the "
+            "first call to keep them, or reload the model"
+        )
+
+
+def _copy_wrapper(wrapper: KTMoEWrapper) -> tuple:
+    """copy.deepcopy and pickle of a KTMoEWrapper (copyreg): its engines cannot be copied. One a
+    module packed with its weights kept becomes None in the copy, which packs again at its first
+    call; any other is a TypeError saying why."""
+    kept = getattr(wrapper, "_kt_module_weights_kept", None)
+    if kept:
+        return type(None), ()
+    if kept is None:
+        raise TypeError("a KTMoEWrapper cannot be copied or pickled (its engines hold the packed weights)")
+    raise TypeError(
+        f"a module packed by experts_implementation={NAME!r} with keep_weights=False (the default) cannot "
+        "be copied or pickled: its expert weights were released at packing; call "
+        "kt_kernel.integrations.transformers.configure(keep_weights=True) before the first call to keep them"
+    )
 
 
 def experts_forward(
@@ -154,11 +188,22 @@ def experts_forward(
             f"{type(module).__name__}: experts_implementation='kt_kernel' computes experts on the CPU; "
             f"hidden_states are on {hidden_states.device}"
         )
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
-        raise NotImplementedError(
-            f"{type(module).__name__}: experts_implementation='kt_kernel' has no backward: run the model "
-            "under torch.no_grad() or torch.inference_mode() (generate does)"
-        )
+    if torch.is_grad_enabled():
+        # Trainable experts would get no .grad, silently, as inputs would: both refused.
+        trainable = [
+            name for name in EXPERT_PARAMETERS if getattr(getattr(module, name, None), "requires_grad", False)
+        ]
+        if hidden_states.requires_grad or trainable:
+            needs = (
+                f"its parameters {', '.join(trainable)} require grad"
+                if trainable
+                else "its input requires grad"
+            )
+            raise NotImplementedError(
+                f"{type(module).__name__}: experts_implementation='kt_kernel' has no backward, and {needs}: "
+                "run the model under torch.no_grad() or torch.inference_mode() (generate does), or freeze "
+                "the experts (requires_grad_(False))"
+            )
     wrapper = module.__dict__.get(WRAPPER_ATTRIBUTE)
     if wrapper is None:
         wrapper = _pack(module, top_k_index.shape[-1])
@@ -178,3 +223,4 @@ def experts_forward(
 
 configure()  # the defaults
 ExpertsInterface.register(NAME, experts_forward)
+copyreg.pickle(KTMoEWrapper, _copy_wrapper)
