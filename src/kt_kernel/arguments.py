@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from .formats import require_shape
-from .weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
+from .expert_weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
 
 
 def require_int(name: str, value: object, minimum: int) -> int:

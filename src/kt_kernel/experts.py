@@ -26,7 +26,7 @@ from .arguments import (
 )
 from .formats import require_shape
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
-from .weights import check_slot_map, prepare, prepare_biases, subpool_slice
+from .expert_weights import check_slot_map, prepare, prepare_biases, subpool_slice
 
 __all__ = ["IMPLEMENTED_FORMATS", "KTMoEWrapper", "intermediate_granularity", "split_intermediate"]
 
@@ -179,7 +179,7 @@ class KTMoEWrapper:
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self._scale_groups: dict[str, int] = {}
         self._zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
-        # Expert biases loaded, per slot (kt_kernel.weights.prepare_biases), or None.
+        # Expert biases loaded, per slot (kt_kernel.expert_weights.prepare_biases), or None.
         self._bias_table: dict[str, torch.Tensor] | None = None
         # skip_gpu_expert_cpu_copy: the slots left out of CPU memory (GPU experts at load), and where
         # load_weights read each slot's expert from (None: the weights came from tensors).
