@@ -57,7 +57,7 @@ _E2M1_AS_E4M3 = _E2M1_SIGNED.to(torch.float8_e4m3fn).view(torch.uint8)  # every 
 _FLOAT_SCALES = (torch.float32, torch.bfloat16)
 _E8M0_SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8_MAX = 448.0  # the largest E4M3 "fn" value
-FP8_BLOCK = 128  # DeepSeek's scale blocks: 128 x 128 weights
+FP8_BLOCK = ext.FP8_BLOCK  # DeepSeek's scale blocks: 128 x 128 weights (kernels.h's kFp8Block)
 MX_BLOCK = 32  # OCP MX formats (MXFP8, MXFP4): one E8M0 scale per 32 inputs of a row
 NVFP4_BLOCK = 16  # NVIDIA's NVFP4: one E4M3 scale per 16 inputs of a row, one fp32 scale per tensor
 
