@@ -1,7 +1,9 @@
-"""What every mode of `python -m kt_kernel bench` shares, so that bench.py (the command), bench_model.py,
-bench_guard.py and bench_gpu.py each import it and none imports another: the workload (shapes, random
-weights, routing, the GGUF rows' weights and the bytes per weight every figure divides by), the timing
-loop and progress line, and the worker subprocesses (one per build, KT_KERNEL_CPU_VARIANT forcing it).
+"""What every mode of `python -m kt_kernel bench` shares: the workload (shapes, random weights,
+routing, the GGUF rows' weights and the bytes per weight every figure divides by), the timing loop
+and progress line, and the worker subprocesses (one per build, KT_KERNEL_CPU_VARIANT forcing it).
+
+bench.py (the command), bench_model.py, bench_guard.py and bench_gpu.py import it; only bench.py
+imports the other three, to hand a mode its run, so no two of them import each other.
 """
 
 from __future__ import annotations
