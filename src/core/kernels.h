@@ -24,8 +24,8 @@ constexpr int kGroupRows = 16;
 
 inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 
-// Activation rows quantized for the kernels that multiply in integers (all but BF16), one scale
-// per row:
+// Activation rows quantized for the kernels that multiply in integers (the formats whose
+// FormatTraits::quantized_activations() holds), one scale per row:
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
 // running_sums[b] = sum of values[0 .. 16b), b = 0 .. stride / 16 (the kernels subtract their weight
 // offset times a scale group's sum: one subtraction, where a sum of its blocks was a loop per row
@@ -111,7 +111,7 @@ struct PackedGroups {
   size_t group_scale_bytes;  // stride between groups in `scales`
   int k;                     // inputs per row
   int groups;
-  int scale_group = 0;       // inputs per scale (INT4: 32, 64 or 128; MXFP4: 32; GGUF: 16 or 32; 0: per row)
+  int scale_group = 0;       // inputs per scale: one of the format's FormatTraits::scale_groups (0: per row)
   // INT4 with zero points: the first group's (null: every zero point is kInt4Offset) and the
   // stride between groups.
   const uint8_t* zeros = nullptr;

@@ -1,4 +1,5 @@
-// FP8: E4M3 codes with float scales per channel or per 128 inputs (packed layout in kernels.h).
+// FP8: E4M3 codes with float scales per channel or per block of inputs (the scale groups of its entry
+// below; packed layout in kernels.h).
 #include <cstring>
 
 #include "formats.h"
