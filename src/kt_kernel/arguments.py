@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .expert_weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
 from .formats import require_shape
-from .weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
 
 
 def require_int(name: str, value: object, minimum: int) -> int:
