@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "linear.h"
 #include "formats.h"
+#include "formats/gguf_levels.h"
 #include "kernels.h"
 #include "machine_probe.h"
 #include "subpools.h"
@@ -157,6 +158,13 @@ void bind_build_facts(nb::module_& m) {
   m.attr("FORMATS") = formats;
   m.attr("GROUP_ROWS") = kt::kGroupRows;
   m.attr("FP8_BLOCK") = kt::kFp8Block;  // DeepSeek's 128 x 128 scale blocks (kernels.h), for formats.py
+  nb::list level_sets;  // the GGUF level sets (formats/gguf_levels.h), held against gguf_blocks.py
+  for (const auto& set : kt::kLevelSets) {
+    nb::list levels;
+    for (int8_t level : set) levels.append(int(level));
+    level_sets.append(levels);
+  }
+  m.attr("GGUF_LEVEL_SETS") = level_sets;
 
   nb::dict requirements;  // every build's CPU flags, as the module checks them (cpu_features.h)
   for (const auto& [build, flags] : kt::build_requirements()) {
