@@ -143,6 +143,8 @@ class Retired:
 
     def collect(self) -> None:
         """Free what every fence lets go; fence again where a stream was being captured."""
+        if not self._entries:  # the usual case, at every submit: no lock taken
+            return
         with self.lock:
             kept = []
             for buffers, fences in self._entries:
@@ -152,9 +154,6 @@ class Retired:
                 if not all(fence and ext.fence_passed(fence) for fence in fences.values()):
                     kept.append((buffers, fences))
             self._entries = kept
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def keep_forever(buffers: object) -> None:
