@@ -400,3 +400,12 @@ def test_no_experts_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no routed-expert tensors found"):
         convert.convert_checkpoint(tmp_path / "model", tmp_path / "out", "BF16", progress=False)
     assert os.listdir(tmp_path) == ["model"]
+
+
+def test_fp8_with_a_scale_per_row_takes_any_input_count():
+    """Group 0 (a scale per row) where no block of 16/32/128 divides K: no block-size arithmetic."""
+    weight = torch.randn(37, 100, generator=torch.Generator().manual_seed(5))
+    assert formats.get("FP8").choose_group(100, 0) == 0
+    values, scales = quant.quantize("FP8", weight, 0)
+    assert values.shape == (37, 100) and scales.shape == (37, 1)
+    assert torch.allclose(quant.dequantize("FP8", values, scales), weight, rtol=0.07, atol=1e-6)

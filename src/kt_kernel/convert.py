@@ -300,7 +300,7 @@ def _choose_group_size(
     if group_size is not None and group_size not in fmt.scale_groups:
         raise ValueError(f"--group-size must be one of {fmt.scale_groups}, got {group_size}")
     sizes = math.gcd(*(size for layer in layers for size in (layer.hidden, layer.intermediate)))
-    if group_size is not None and sizes % group_size:
+    if group_size and sizes % group_size:
         raise ValueError(
             f"{fmt.name} group size {group_size} does not divide the hidden and intermediate sizes"
         )

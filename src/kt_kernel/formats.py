@@ -166,7 +166,7 @@ class WeightFormat:
             raise ValueError(f"group_size applies to {' and '.join(GROUP_CHOICE)} only, not {self.name}")
         if group_size not in self.scale_groups:
             raise ValueError(f"{self.name} group_size must be one of {self.scale_groups}, got {group_size}")
-        if k % group_size:
+        if group_size and k % group_size:  # 0: a scale per row, any k
             raise ValueError(
                 f"{self.name} needs {dimension} ({k}) to be a multiple of group_size {group_size}"
             )
