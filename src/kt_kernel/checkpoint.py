@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import formats
+from . import formats, load_threads
 from .gguf_file import GGUF_FORMAT, GGUFLayerReader, gguf_layer_format, is_gguf_checkpoint
 from .safetensors_io import (
     CheckpointError,
@@ -69,36 +69,46 @@ def converted_tensor_name(layer: int, projection: str, kind: str) -> str:
 
 
 def read_v4_flash_experts(
-    path: str | Path, layer: int, experts: Experts, files: dict[str, Path] | None = None
+    path: str | Path,
+    layer: int,
+    experts: Experts,
+    files: dict[str, Path] | None = None,
+    threads: int | None = None,
+    headers: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """MXFP4 experts of one layer as canonical uint8 tensors: gate/up/down [E, N, K/2] and
     gate_scale/up_scale/down_scale [E, N, K/32] (the keyword names of load_weights_from_tensors).
-    ``files``: the checkpoint's index_checkpoint, where the caller has it already."""
+    ``files``: the checkpoint's index_checkpoint, where the caller has it already; the experts are
+    read on ``threads`` threads (load_threads.each); ``headers``: as TensorReader's."""
     experts = expert_range(experts)
     files = files if files is not None else index_checkpoint(path)
     prefix = "model." if f"model.layers.{layer}.ffn.experts.0.w1.weight" in files else ""
     result: dict[str, torch.Tensor] = {}
+    tensors = [
+        (kind, out_name, short)
+        for name, short in V4_FLASH_PROJECTIONS.items()
+        for kind, out_name in (("weight", name), ("scale", f"{name}_scale"))
+    ]
+
+    def read(index: int) -> None:
+        for kind, out_name, short in tensors:
+            key = f"{prefix}layers.{layer}.ffn.experts.{experts[index]}.{short}.{kind}"
+            tensor = reader.read(key)
+            if tensor.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
+                raise CheckpointError(f"tensor {key!r} has dtype {tensor.dtype}, expected I8/U8/F8_E8M0")
+            if index == 0:
+                result[out_name] = torch.empty((len(experts), *tensor.shape), dtype=torch.uint8)
+            elif tuple(tensor.shape) != tuple(result[out_name].shape[1:]):
+                raise CheckpointError(
+                    f"tensor {key!r} has shape {list(tensor.shape)}, "
+                    f"but expert {experts.start} has {list(result[out_name].shape[1:])}"
+                )
+            result[out_name][index] = tensor.view(torch.uint8)
+
     with ExitStack() as stack:
-        reader = TensorReader(files, stack)
-        for name, short in V4_FLASH_PROJECTIONS.items():
-            for kind, out_name in (("weight", name), ("scale", f"{name}_scale")):
-                stacked = None
-                for index, expert in enumerate(experts):
-                    key = f"{prefix}layers.{layer}.ffn.experts.{expert}.{short}.{kind}"
-                    tensor = reader.read(key)
-                    if tensor.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
-                        raise CheckpointError(
-                            f"tensor {key!r} has dtype {tensor.dtype}, expected I8/U8/F8_E8M0"
-                        )
-                    if stacked is None:
-                        stacked = torch.empty((len(experts), *tensor.shape), dtype=torch.uint8)
-                    elif tuple(tensor.shape) != tuple(stacked.shape[1:]):
-                        raise CheckpointError(
-                            f"tensor {key!r} has shape {list(tensor.shape)}, "
-                            f"but expert {experts.start} has {list(stacked.shape[1:])}"
-                        )
-                    stacked[index] = tensor.view(torch.uint8)
-                result[out_name] = stacked
+        reader = TensorReader(files, stack, headers)
+        read(0)  # the first expert's shapes size the tensors
+        load_threads.each(read, range(1, len(experts)), threads)
     return result
 
 
@@ -244,12 +254,18 @@ class LayerReader:
     found and checked, once, not per range (a big model's index holds ~100k tensor names)."""
 
     def __init__(
-        self, path: str | Path, layer: int, method: str, sizes: tuple[int, int] | None = None
+        self,
+        path: str | Path,
+        layer: int,
+        method: str,
+        sizes: tuple[int, int] | None = None,
+        threads: int | None = None,
     ) -> None:
         """``sizes``: the (hidden, intermediate) the caller's layer has; a Hugging Face directory's
         or GGUF model's layer of other sizes is refused here, from the headers, before any expert is
-        read."""
-        self.path, self.layer, self.method = path, layer, method
+        read. ``threads``: how many threads read and decode the experts (None: torch's)."""
+        self.path, self.layer, self.method, self.threads = path, layer, method, threads
+        self._headers: dict = {}  # safetensors headers checked, kept from one range to the next
         self._files: dict[str, Path] | None = None
         self._source: tuple[ExpertSource, MoELayer] | None = None
         self._gguf: GGUFLayerReader | None = None
@@ -277,12 +293,14 @@ class LayerReader:
 
     def read(self, experts: Experts) -> dict[str, torch.Tensor]:
         if self._gguf is not None:
-            return self._gguf.read(experts)
+            return self._gguf.read(experts, self.threads)
         if self._converted:
             return read_converted_layer(self.path, self.layer, experts, self.method)
         if self._gpt_oss_prefix is not None:
             return read_gpt_oss_experts(self._files, self.layer, experts, self._gpt_oss_prefix)
         if self._files is not None:
-            return read_v4_flash_experts(self.path, self.layer, experts, self._files)
+            return read_v4_flash_experts(
+                self.path, self.layer, experts, self._files, self.threads, self._headers
+            )
         assert self._source is not None
-        return read_source_experts(*self._source, experts)
+        return read_source_experts(*self._source, experts, self.threads)
