@@ -75,11 +75,13 @@ def read_v4_flash_experts(
     files: dict[str, Path] | None = None,
     threads: int | None = None,
     headers: dict | None = None,
+    buffers: load_threads.PartBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
     """MXFP4 experts of one layer as canonical uint8 tensors: gate/up/down [E, N, K/2] and
     gate_scale/up_scale/down_scale [E, N, K/32] (the keyword names of load_weights_from_tensors).
     ``files``: the checkpoint's index_checkpoint, where the caller has it already; the experts are
-    read on ``threads`` threads (load_threads.each); ``headers``: as TensorReader's."""
+    read on ``threads`` threads (load_threads.each) into ``buffers``' memory where given;
+    ``headers``: as TensorReader's."""
     experts = expert_range(experts)
     files = files if files is not None else index_checkpoint(path)
     prefix = "model." if f"model.layers.{layer}.ffn.experts.0.w1.weight" in files else ""
@@ -97,7 +99,9 @@ def read_v4_flash_experts(
             if tensor.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
                 raise CheckpointError(f"tensor {key!r} has dtype {tensor.dtype}, expected I8/U8/F8_E8M0")
             if index == 0:
-                result[out_name] = torch.empty((len(experts), *tensor.shape), dtype=torch.uint8)
+                result[out_name] = load_threads.empty(
+                    buffers, out_name, (len(experts), *tensor.shape), torch.uint8
+                )
             elif tuple(tensor.shape) != tuple(result[out_name].shape[1:]):
                 raise CheckpointError(
                     f"tensor {key!r} has shape {list(tensor.shape)}, "
@@ -260,11 +264,15 @@ class LayerReader:
         method: str,
         sizes: tuple[int, int] | None = None,
         threads: int | None = None,
+        reuse_memory: bool = False,
     ) -> None:
         """``sizes``: the (hidden, intermediate) the caller's layer has; a Hugging Face directory's
         or GGUF model's layer of other sizes is refused here, from the headers, before any expert is
-        read. ``threads``: how many threads read and decode the experts (None: torch's)."""
+        read. ``threads``: how many threads read and decode the experts (None: torch's).
+        ``reuse_memory``: a read may return the last read's tensors, overwritten (the caller is done
+        with them: load_weights packs each part before it reads the next)."""
         self.path, self.layer, self.method, self.threads = path, layer, method, threads
+        self._buffers = load_threads.PartBuffers() if reuse_memory else None
         self._headers: dict = {}  # safetensors headers checked, kept from one range to the next
         self._files: dict[str, Path] | None = None
         self._source: tuple[ExpertSource, MoELayer] | None = None
@@ -300,7 +308,7 @@ class LayerReader:
             return read_gpt_oss_experts(self._files, self.layer, experts, self._gpt_oss_prefix)
         if self._files is not None:
             return read_v4_flash_experts(
-                self.path, self.layer, experts, self._files, self.threads, self._headers
+                self.path, self.layer, experts, self._files, self.threads, self._headers, self._buffers
             )
         assert self._source is not None
-        return read_source_experts(*self._source, experts, self.threads)
+        return read_source_experts(*self._source, experts, self.threads, self._buffers)

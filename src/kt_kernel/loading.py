@@ -129,8 +129,9 @@ class LayerWeights:
         self.start(gpu_mask)
         # The layer's worker threads read and decode its parts too: a load scales with them.
         threads = sum(sp.threads for sp in self.subpools)
+        # Each part is packed before the next is read: the parts can share their memory.
         reader = checkpoint.LayerReader(
-            weight_path, self.layer_idx, weight_format, (self.hidden, self.inter), threads
+            weight_path, self.layer_idx, weight_format, (self.hidden, self.inter), threads, reuse_memory=True
         )
         sources = int(slot_map.max()) + 1  # the experts of the layer the slots name
         per_part = max(1, sources // LOAD_PARTS)

@@ -540,10 +540,14 @@ def source_layer(
 
 
 def read_source_experts(
-    source: ExpertSource, described: MoELayer, experts: Experts, threads: int | None = None
+    source: ExpertSource,
+    described: MoELayer,
+    experts: Experts,
+    threads: int | None = None,
+    buffers: load_threads.PartBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The experts' stored tensors, stacked: the first expert's shapes size them, the others are read
-    into them on ``threads`` threads (load_threads.each)."""
+    """The experts' stored tensors, stacked (in ``buffers``' memory where given): the first expert's
+    shapes size them, the others are read into them on ``threads`` threads (load_threads.each)."""
     experts = expert_range(experts)
     if described.experts < experts.stop:
         raise CheckpointError(
@@ -561,7 +565,7 @@ def read_source_experts(
 
     with source.opened():
         for out, tensor in named(source.read_stored(described, experts.start)):
-            result[out] = torch.empty((len(experts), *tensor.shape), dtype=tensor.dtype)
+            result[out] = load_threads.empty(buffers, out, (len(experts), *tensor.shape), tensor.dtype)
             result[out][0] = tensor
         load_threads.each(read, range(1, len(experts)), threads)
     for name in PROJECTIONS:  # symmetric GPTQ: plain INT4, for the kernels without zero points
