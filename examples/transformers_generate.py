@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model_dir", help="a local Hugging Face model directory")
     parser.add_argument(
-        "--format", default="BF16", help="kt_kernel weight format (BF16, INT8, INT4, MXFP4, FP8)"
+        "--format", default="BF16", help="kt_kernel weight format: a name in kt_kernel.formats.FORMATS"
     )
     parser.add_argument("--prompt", default="The capital of France is", help="the prompt (with a tokenizer)")
     parser.add_argument("--max-new-tokens", type=int, default=32)

@@ -1,6 +1,7 @@
 // The amx build's kernel interface (kernels.h): the AVX512 paths (kernels_avx512/paths.cpp) with
-// every format replaced by a tile GEMM, which falls back to those paths below its tile sizes
-// (decode) and where its tiles do not apply.
+// the formats that have a tile GEMM (the fields with_tiles sets; the others keep the AVX512 path)
+// replaced by it, which falls back to those paths below its tile sizes (decode) and where its tiles
+// do not apply.
 #include <string>
 
 #include "kernels_avx512/vec.h"

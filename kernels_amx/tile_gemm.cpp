@@ -5,7 +5,7 @@
 // accumulation. On AMX-INT8 tiles (tdpbsud) for INT8: its packed lines times the quantized rows.
 //   BF16: the packed weights are the tiles' B operand as they are.
 //   MXFP4: an E2M1 code times its E8M0 scale is a bf16 (scales 2^-125 .. 2^125), decoded exactly.
-//   FP8: an E4M3 code is a bf16; its float scale (per row and 128-input block, or per row) is
+//   FP8: an E4M3 code is a bf16; its float scale (per row and block of inputs, or per row) is
 //        applied to the fp32 sums of each block.
 //   INT4 (no zero points, groups of 64 or 128): q is a bf16; its group's scale as FP8's.
 // The quantized formats run here in their exact mode only (the int8_activations mode keeps its

@@ -19,10 +19,20 @@ double peak_probe_here(PeakOp op, int64_t iterations) {
 
 Kernels choose() {
   if (avx_vnni())
-    return {avx2::gemm_bf16, avx2::gemm_mxfp4_avx_vnni, avx2::gemm_int8_avx_vnni, avx2::gemm_int4_avx_vnni,
-            avx2::gemm_fp8, avx2::gemm_gguf_avx_vnni, peak_probe_here};
-  return {avx2::gemm_bf16, avx2::gemm_mxfp4, avx2::gemm_int8, avx2::gemm_int4, avx2::gemm_fp8, avx2::gemm_gguf,
-          peak_probe_here};
+    return {.bf16 = avx2::gemm_bf16,
+            .mxfp4 = avx2::gemm_mxfp4_avx_vnni,
+            .int8 = avx2::gemm_int8_avx_vnni,
+            .int4 = avx2::gemm_int4_avx_vnni,
+            .fp8 = avx2::gemm_fp8,
+            .gguf = avx2::gemm_gguf_avx_vnni,
+            .peak = peak_probe_here};
+  return {.bf16 = avx2::gemm_bf16,
+          .mxfp4 = avx2::gemm_mxfp4,
+          .int8 = avx2::gemm_int8,
+          .int4 = avx2::gemm_int4,
+          .fp8 = avx2::gemm_fp8,
+          .gguf = avx2::gemm_gguf,
+          .peak = peak_probe_here};
 }
 
 }  // namespace
@@ -38,13 +48,16 @@ KernelInfo kernel_info() {
   const char* fp8 =
       "avx2 (up to five rows of normal codes: E4M3 -> bf16 bytes by a nibble lookup; else one or two rows: E4M3 -> "
       "fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)";
-  if (avx_vnni())
-    return {"avx2", "avx2 (bf16->fp32, fma)",
-            "avx2 (E2M1 -> integers by vpshufb, int8 rows, avx_vnni (vpdpbusd))", "avx2 avx_vnni (vpdpbusd)", fp8};
-  return {"avx2", "avx2 (bf16->fp32, fma)",
-          "avx2 (E2M1 -> integers by vpshufb; vpmaddwd on a row and its residual as int16, vpmaddubsw on int8 "
-          "rows for one token or int8_activations)",
-          "avx2 (vpmaddwd on int16 activations)", fp8};
+  // GGUF's int8 values are multiplied as INT8's (int_tiles.h).
+  const char* int8 = avx_vnni() ? "avx2 avx_vnni (vpdpbusd)" : "avx2 (vpmaddwd on int16 activations)";
+  return {.isa = "avx2",
+          .bf16_path = "avx2 (bf16->fp32, fma)",
+          .mxfp4_path = avx_vnni() ? "avx2 (E2M1 -> integers by vpshufb, int8 rows, avx_vnni (vpdpbusd))"
+                                   : "avx2 (E2M1 -> integers by vpshufb; vpmaddwd on a row and its residual as "
+                                     "int16, vpmaddubsw on int8 rows for one token or int8_activations)",
+          .int8_path = int8,
+          .fp8_path = fp8,
+          .gguf_path = int8};
 }
 
 KT_NAMESPACE_END

@@ -1,4 +1,4 @@
-// The FP8 GEMM on fp32 FMA (gemm_bf16.cpp, fp8_vbmi.cpp). Calls of a few rows (decode) decode the
+// The FP8 GEMM on fp32 FMA (gemm_fp8.cpp, fp8_vbmi.cpp). Calls of a few rows (decode) decode the
 // codes in place, four weights per 32-bit lane, without the byte-to-word widening of
 // decode_fp8_line: that widening is a shuffle, and on the Xeon VM this CPU's one 512-bit shuffle
 // port bound the decode (one core, a one-row GEMV with K = 2,048 over 128 MiB: 17 -> 21 Gweights/s).

@@ -1,6 +1,6 @@
 // AVX512 BF16 GEMM without AVX512_BF16: bf16 widened to fp32, plain AVX512F FMA (the vdpbf16ps
 // path is vdpbf16ps.cpp).
-#include "fp8_lanes.h"
+#include "vec.h"
 
 KT_NAMESPACE_BEGIN
 namespace avx512 {
@@ -42,10 +42,6 @@ struct FmaTile {
 };
 
 }  // namespace
-
-void gemm_fp8_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_fp8_on_widened_rows<decode_fp8_line_exact>(x, w, y, y_stride);
-}
 
 // From 32 rows: through the stack (fp8_tiles.h), where the first tile of rows leaves each line
 // widened to fp32 for the others. One core, 768 x 2048 in cache, GFLOP/s, FmaTile -> the stack:

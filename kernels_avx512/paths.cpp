@@ -86,13 +86,17 @@ KernelInfo paths_info() {
                          ? "avx512f (bf16->fp32, fma: faster than avx512_bf16 on Intel CPUs), avx512_bf16 for one-row calls"
                      : p.vdpbf16ps ? "avx512_bf16 (vdpbf16ps)"
                                    : "avx512f (bf16->fp32, fma)";
-  return {"avx512", bf16,
-          !p.vpdpbusd ? "E2M1 -> integers by vpshufb, avx512bw (vpmaddwd on a row and its residual as int16, "
-                        "vpmaddubsw on int8 rows for one token or int8_activations)"
-          : p.vpermb  ? "E2M1 -> integers by vpermb (avx512_vbmi), int8 rows, avx512_vnni (vpdpbusd)"
-                      : "E2M1 -> integers by vpshufb, int8 rows, avx512_vnni (vpdpbusd)",
-          p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd on int16 activations)",
-          fp8_path(p)};
+  // GGUF's int8 values are multiplied as INT8's (int_tiles.h).
+  const char* int8 = p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd on int16 activations)";
+  return {.isa = "avx512",
+          .bf16_path = bf16,
+          .mxfp4_path = !p.vpdpbusd ? "E2M1 -> integers by vpshufb, avx512bw (vpmaddwd on a row and its residual "
+                                      "as int16, vpmaddubsw on int8 rows for one token or int8_activations)"
+                        : p.vpermb  ? "E2M1 -> integers by vpermb (avx512_vbmi), int8 rows, avx512_vnni (vpdpbusd)"
+                                    : "E2M1 -> integers by vpshufb, int8 rows, avx512_vnni (vpdpbusd)",
+          .int8_path = int8,
+          .fp8_path = fp8_path(p),
+          .gguf_path = int8};
 }
 
 }  // namespace avx512

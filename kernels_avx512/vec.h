@@ -21,7 +21,7 @@ KernelInfo paths_info();
 // fp32 FMA, and vdpbf16ps / vpdpbusd where CPUID reports them (peak_probe.cpp); 0 for AMX tiles.
 double peak_probe(PeakOp op, int64_t iterations);
 
-// Plain AVX512F / AVX512BW: gemm_bf16.cpp and gemm_int.cpp.
+// Plain AVX512F / AVX512BW: gemm_bf16.cpp, gemm_int.cpp and gemm_fp8.cpp.
 void gemm_bf16_fma(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int8_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);

@@ -162,7 +162,7 @@ def test_guard_retries_a_slower_row_once_and_fails_when_it_is_slower_again(
     monkeypatch, capsys, retry_ms, status
 ):
     """The guard's verdicts, on worker results made up here (the real rows are timed by CI's run)."""
-    from kt_kernel import bench
+    from kt_kernel import bench_common
 
     calls = []
 
@@ -172,8 +172,8 @@ def test_guard_retries_a_slower_row_once_and_fails_when_it_is_slower_again(
             return [{"rows": [guard_row("bf16", 1.0, 2.0), guard_row("int8", 3.0, 2.0)]}]
         return [{"rows": [guard_row("int8", retry_ms, 2.0)]}]
 
-    monkeypatch.setattr(bench, "run_workers", fake_workers)
-    monkeypatch.setattr(bench, "variant_runs", lambda spec: [("avx2", {"X": spec})])
+    monkeypatch.setattr(bench_common, "run_workers", fake_workers)
+    monkeypatch.setattr(bench_common, "variant_runs", lambda spec: [("avx2", {"X": spec})])
     assert kt_main(["bench", "--guard", "--shape", "tiny", "--tokens", "64"]) == status
     assert [formats for formats, _ in calls] == [[f.lower() for f in FORMATS], ["int8"]]
     assert calls[1][1] == [("avx2", {"X": "all"})]  # the retry runs the slow row's build alone

@@ -319,3 +319,15 @@ def test_unpack_gives_back_the_canonical_tensors(levels, factored):
         out_values, out_pairs = unpacked(tensors, name, k0, cols)
         assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
         assert same_bits(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])
+
+
+def test_the_level_sets_of_the_engine_are_those_the_block_decoders_give():
+    """One source: the engine's GGUF level sets (formats/gguf_levels.h, exported) hold the values
+    every 4-bit ggml type decodes to (gguf_blocks.py)."""
+    from kt_kernel._native import ext
+    from kt_kernel.gguf_blocks import E2M1_DOUBLED, IQ4_LEVELS
+
+    sets = [sorted(s) for s in ext.GGUF_LEVEL_SETS]
+    assert sorted(IQ4_LEVELS.tolist()) in sets
+    assert sorted(E2M1_DOUBLED.tolist()) in sets
+    assert list(range(16)) in sets and list(range(-8, 8)) in sets  # Q4_1/Q4_K/Q2_K's and Q4_0/Q3_K's

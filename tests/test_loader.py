@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import kt_kernel
 from kt_kernel import loader
 from kt_kernel.loader import select_variant
 
-from conftest import HOST_FLAGS, run_python
+from conftest import HOST_FLAGS, run_python, skip_unless_cpu_runs
 
 CPUINFO = Path(__file__).parent / "data" / "cpuinfo"
 EXPECTED: dict[str, str | None] = json.loads((CPUINFO / "expected.json").read_text())
@@ -198,3 +199,30 @@ def test_the_modules_cpu_checks_and_the_loader_agree_on_every_builds_flags():
 
     assert ext.BUILD_REQUIREMENTS == loader.REQUIRED_FLAGS
     assert tuple(ext.BUILD_REQUIREMENTS) == loader.VARIANTS  # best first, the same builds
+
+
+@pytest.mark.parametrize("build", [*loader.VARIANTS, "amx_emulated"])
+def test_every_build_has_a_kernel_and_a_path_for_every_registered_format(build):
+    """Each module checks its kernel table when it loads (require_kernels_for_every_format): a
+    format without a kernel, or without words for its path, fails the import, and kernel_info names
+    a path of its own for every format (none falls back to INT8's)."""
+    skip_unless_cpu_runs("avx512" if build == "amx_emulated" else build)
+    try:
+        module = importlib.import_module(f"kt_kernel._kt_kernel_{build}")
+    except ModuleNotFoundError:
+        pytest.skip(f"the {build} module is not built here")
+    info = module.kernel_info()
+    for name in module.FORMATS:
+        path = info[f"{name.lower()}_path"]
+        assert isinstance(path, str) and path, f"{build}: {name} has no path"
+
+
+def test_the_fp8_block_is_the_engines():
+    """FP8_BLOCK is kernels.h's kFp8Block, exported by the module: formats.py reads it, and
+    sources.py reads formats.py's."""
+    from kt_kernel import formats, sources
+    from kt_kernel._native import ext
+
+    assert formats.FP8_BLOCK == ext.FP8_BLOCK
+    assert not hasattr(sources, "FP8_BLOCK")  # one source: it reads formats.FP8_BLOCK
+    assert ext.FP8_BLOCK in ext.FORMATS["FP8"]["scale_groups"]

@@ -14,6 +14,7 @@
 #include "engine.h"
 #include "linear.h"
 #include "formats.h"
+#include "formats/gguf_levels.h"
 #include "kernels.h"
 #include "machine_probe.h"
 #include "subpools.h"
@@ -119,13 +120,9 @@ constexpr const char* kSubmitAddressesDoc =
     "submit() from the tensors' data_ptr()s, unchecked: for callers that checked the tensors. gpu_mask: "
     "the address of num_experts bools (True: computed on the GPU, skipped here), or 0 to keep the set.";
 
-}  // namespace
-
-NB_MODULE(KT_MODULE_NAME, m) {
-  kt::require_cpu_support(KT_CPU_CHECK);  // throws -> ImportError, before any ISA code runs
-  kt::init_kernels();
-
-  m.doc() = "kt_kernel compiled kernels, " KT_VARIANT_NAME " build";
+// What this build is and runs: its name, its kernels, the formats' constants (FormatTraits) and
+// every build's CPU flags, for the Python side to read rather than restate.
+void bind_build_facts(nb::module_& m) {
   m.attr("VARIANT") = KT_VARIANT_NAME;
   m.attr("MAX_DIMENSION") = kt::kMaxDimension;
 
@@ -137,8 +134,7 @@ NB_MODULE(KT_MODULE_NAME, m) {
     for (const kt::FormatTraits* format : kt::all_formats()) {
       std::string key = format->name;
       for (char& c : key) c = char(std::tolower(static_cast<unsigned char>(c)));
-      const char* path = info.*(format->path);
-      d[(key + "_path").c_str()] = path != nullptr ? path : info.int8_path;
+      d[(key + "_path").c_str()] = info.*(format->path);  // never null: require_kernels_for_every_format
     }
     if (info.emulated_tile_products >= 0) d["emulated_tile_products"] = info.emulated_tile_products;
     return d;
@@ -162,6 +158,14 @@ NB_MODULE(KT_MODULE_NAME, m) {
   }
   m.attr("FORMATS") = formats;
   m.attr("GROUP_ROWS") = kt::kGroupRows;
+  m.attr("FP8_BLOCK") = kt::kFp8Block;  // DeepSeek's 128 x 128 scale blocks (kernels.h), for formats.py
+  nb::list level_sets;  // the GGUF level sets (formats/gguf_levels.h), held against gguf_blocks.py
+  for (const auto& set : kt::kLevelSets) {
+    nb::list levels;
+    for (int8_t level : set) levels.append(int(level));
+    level_sets.append(levels);
+  }
+  m.attr("GGUF_LEVEL_SETS") = level_sets;
 
   nb::dict requirements;  // every build's CPU flags, as the module checks them (cpu_features.h)
   for (const auto& [build, flags] : kt::build_requirements()) {
@@ -174,13 +178,13 @@ NB_MODULE(KT_MODULE_NAME, m) {
   m.def("cpu_features", [] {
     const kt::CpuFeatures f = kt::detect_cpu_features();
     nb::dict d;
-    d["avx2"] = f.avx2, d["fma"] = f.fma, d["f16c"] = f.f16c;
-    d["avx512f"] = f.avx512f, d["avx512bw"] = f.avx512bw, d["avx512vl"] = f.avx512vl, d["avx512dq"] = f.avx512dq;
-    d["avx512_bf16"] = f.avx512_bf16, d["avx512_vnni"] = f.avx512_vnni;
-    d["amx_tile"] = f.amx_tile, d["amx_int8"] = f.amx_int8, d["amx_bf16"] = f.amx_bf16;
+    for (const kt::CpuFlag& flag : kt::kBuildFlags) d[flag.name] = f.*flag.present;
     return d;
-  }, "CPU features as CPUID/XGETBV report them.");
+  }, "The flags the builds require, as CPUID/XGETBV report them.");
+}
 
+// The machine's limits, for the benchmark (machine_probe.h).
+void bind_machine_probes(nb::module_& m) {
   m.def("measure_read_bandwidth", &kt::measure_read_bandwidth, nb::arg("threads"), nb::arg("bytes"),
         nb::arg("repeats") = 5, nb::call_guard<nb::gil_scoped_release>(),
         "Median DRAM read bandwidth (GB/s) of a streaming read on `threads` threads.");
@@ -195,7 +199,10 @@ NB_MODULE(KT_MODULE_NAME, m) {
         nb::arg("threads"), nb::arg("op"), nb::call_guard<nb::gil_scoped_release>(),
         "Peak GFLOP/s (GOP/s) of fp32 FMA ('fma_f32'), vdpbf16ps ('dpbf16'), vpdpbusd ('dpint8') or AMX "
         "tdpbf16ps ('tile_bf16'); 0 where this build/CPU lacks it (and for tiles on the emulated build).");
+}
 
+// One GEMM without the MoE (linear.h): a testing and profiling aid.
+void bind_linear(nb::module_& m) {
   m.def("linear",
         [](const std::string& method, Bf16In2 x, Canonical<2> weight, std::optional<Canonical<2>> scale, Float32Out2 y,
            int repeats, bool int8_activations, std::optional<CpuArray<const int8_t, nb::ndim<2>>> zeros) {
@@ -213,7 +220,10 @@ NB_MODULE(KT_MODULE_NAME, m) {
         "y = x @ weight.T by the kernel on this thread (weight in canonical layout, INT4 optionally with "
         "int8 zero points shaped like its scales); returns the mean "
         "seconds of one GEMM over `repeats` runs (packing excluded). A testing and profiling aid.");
+}
 
+// One engine with a thread pool of its own (engine.h).
+void bind_engine(nb::module_& m) {
   nb::class_<kt::MoEEngine>(m, "MoEEngine")
       .def("__init__",
            [](kt::MoEEngine* self, int num_experts, int top_k, int hidden, int intermediate, const std::string& method,
@@ -297,7 +307,10 @@ NB_MODULE(KT_MODULE_NAME, m) {
       .def("worker_cpus", &kt::MoEEngine::worker_cpus, nb::call_guard<nb::gil_scoped_release>(),
            "The CPUs each worker thread may run on, as the kernel reports them to the thread itself.")
       .def_prop_ro("pending", &kt::MoEEngine::pending);
+}
 
+// The process's worker pools and a layer split into subpools across them (subpools.h).
+void bind_subpools(nb::module_& m) {
   nb::class_<kt::WorkerPools>(m, "WorkerPools", nb::is_weak_referenceable())
       .def(nb::init<const std::vector<int>&, const std::vector<std::vector<int>>&>(), nb::arg("threads"),
            nb::arg("cpus"),
@@ -338,7 +351,21 @@ NB_MODULE(KT_MODULE_NAME, m) {
            "Wait for every subpool, then sum their partial outputs into out.")
       .def("release_scratch", &kt::MoESubpools::release_scratch)
       .def_prop_ro("pending", &kt::MoESubpools::pending);
+}
 
+}  // namespace
+
+NB_MODULE(KT_MODULE_NAME, m) {
+  kt::require_cpu_support(KT_CPU_CHECK);  // throws -> ImportError, before any ISA code runs
+  kt::init_kernels();
+  kt::require_kernels_for_every_format();  // a build without a format's kernel: ImportError, not INT8's
+
+  m.doc() = "kt_kernel compiled kernels, " KT_VARIANT_NAME " build";
+  bind_build_facts(m);
+  bind_machine_probes(m);
+  bind_linear(m);
+  bind_engine(m);
+  bind_subpools(m);
   bind_stream_calls(m);
   bind_load_helpers(m);
 }

@@ -92,14 +92,6 @@ const std::vector<std::pair<std::string, std::vector<std::string>>>& build_requi
 
 void require_cpu_support(const std::string& variant) {
   const CpuFeatures f = detect_cpu_features();
-  const std::pair<const char*, bool> present[] = {
-      {"avx2", f.avx2},           {"fma", f.fma},
-      {"f16c", f.f16c},           {"avx512f", f.avx512f},
-      {"avx512bw", f.avx512bw},   {"avx512vl", f.avx512vl},
-      {"avx512dq", f.avx512dq},   {"avx512_bf16", f.avx512_bf16},
-      {"avx512_vnni", f.avx512_vnni}, {"amx_tile", f.amx_tile},
-      {"amx_int8", f.amx_int8},   {"amx_bf16", f.amx_bf16},
-  };
   const std::vector<std::string>* needs = nullptr;
   for (const auto& [build, flags] : build_requirements())
     if (build == variant) needs = &flags;
@@ -108,8 +100,8 @@ void require_cpu_support(const std::string& variant) {
   std::string missing;
   for (const std::string& flag : *needs) {
     bool found = false, has = false;
-    for (const auto& [name, value] : present)
-      if (flag == name) found = true, has = value;
+    for (const CpuFlag& known : kBuildFlags)
+      if (flag == known.name) found = true, has = f.*known.present;
     if (!found) throw std::logic_error("no CPUID check for the flag " + flag);
     if (!has) missing += (missing.empty() ? "" : " ") + flag;
   }

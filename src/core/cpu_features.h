@@ -22,6 +22,28 @@ struct CpuFeatures {
 // Flags are reported only where the OS also saves the registers they need (XCR0).
 CpuFeatures detect_cpu_features();
 
+// The flags the builds require, by their /proc/cpuinfo names: the one table of those names in C++
+// (build_requirements names its flags from it; the requirement check and the bindings'
+// cpu_features() read it).
+struct CpuFlag {
+  const char* name;
+  bool CpuFeatures::*present;
+};
+inline constexpr CpuFlag kBuildFlags[] = {
+    {"avx2", &CpuFeatures::avx2},
+    {"fma", &CpuFeatures::fma},
+    {"f16c", &CpuFeatures::f16c},
+    {"avx512f", &CpuFeatures::avx512f},
+    {"avx512bw", &CpuFeatures::avx512bw},
+    {"avx512vl", &CpuFeatures::avx512vl},
+    {"avx512dq", &CpuFeatures::avx512dq},
+    {"avx512_bf16", &CpuFeatures::avx512_bf16},
+    {"avx512_vnni", &CpuFeatures::avx512_vnni},
+    {"amx_tile", &CpuFeatures::amx_tile},
+    {"amx_int8", &CpuFeatures::amx_int8},
+    {"amx_bf16", &CpuFeatures::amx_bf16},
+};
+
 // Whether the environment variable `name` is set to something other than "" or "0": the switches
 // that turn a build's finer paths off (KT_KERNEL_DISABLE_*) so that the tests cover both.
 bool env_flag(const char* name);

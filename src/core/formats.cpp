@@ -28,6 +28,19 @@ const FormatTraits& format_named(const std::string& name) {
   throw std::invalid_argument("the engine runs " + known + " weights, not " + name);
 }
 
+void require_kernels_for_every_format() {
+  const Kernels& table = kernels();
+  const KernelInfo info = kernel_info();
+  const std::string build = info.isa != nullptr ? info.isa : "this";
+  if (table.peak == nullptr) throw std::logic_error("the " + build + " build has no peak probe");
+  for (const FormatTraits* format : all_formats()) {
+    if (table.*(format->gemm) == nullptr)
+      throw std::logic_error("the " + build + " build has no " + format->name + " kernel");
+    if (info.*(format->path) == nullptr)
+      throw std::logic_error("the " + build + " build does not say how its " + format->name + " kernel computes");
+  }
+}
+
 int scale_group_of(const FormatTraits& format, int k, size_t scales_per_row, const std::string& what) {
   if (!format.has_scales()) {
     if (scales_per_row != 0) throw std::invalid_argument(what + ": " + format.name + " takes no scales");

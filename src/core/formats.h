@@ -99,7 +99,7 @@ struct FormatTraits {
   size_t scale_bytes() const { return scale_type == ScaleType::kFloat32 ? 4 : scale_type == ScaleType::kE8M0 ? 1 : 0; }
   size_t row_bytes(int k) const { return size_t(k) * value_bits / 8; }
   int scales_per_row(int k, int scale_group) const {
-    return !has_scales() ? 0 : scale_group == 0 ? 1 : scales_per_group * (k / scale_group);
+    return !has_scales() ? 0 : scale_group == 0 ? 1 : scales_per_group * scale_groups_per_row(k, scale_group);
   }
   std::vector<int> allowed_scale_groups() const {
     std::vector<int> groups;
@@ -113,6 +113,11 @@ struct FormatTraits {
 // The format of a method name (exact, upper case); invalid_argument listing the known ones.
 const FormatTraits& format_named(const std::string& name);
 const std::vector<const FormatTraits*>& all_formats();
+
+// Throws std::logic_error naming the first format of all_formats() whose GEMM (Kernels) or path in
+// words (KernelInfo) this build leaves null. Run once at module load, after init_kernels: a build
+// that lacks a format then fails to import instead of crashing, or reporting another's path.
+void require_kernels_for_every_format();
 
 // The scale group of a matrix of `format` with k inputs whose canonical scales hold `scales_per_row`
 // scales per row; invalid_argument naming `what` when the format takes no such scales.

@@ -24,8 +24,8 @@ constexpr int kGroupRows = 16;
 
 inline int packed_groups(int rows) { return ceil_div(rows, kGroupRows); }
 
-// Activation rows quantized for the kernels that multiply in integers (all but BF16), one scale
-// per row:
+// Activation rows quantized for the kernels that multiply in integers (the formats whose
+// FormatTraits::quantized_activations() holds), one scale per row:
 //   x[k] ~= scale * values[k], values in [-127, 127], zero padded to a multiple of kActivationBlock;
 // running_sums[b] = sum of values[0 .. 16b), b = 0 .. stride / 16 (the kernels subtract their weight
 // offset times a scale group's sum: one subtraction, where a sum of its blocks was a loop per row
@@ -100,6 +100,9 @@ inline size_t kernel_scratch_bytes(int rows, int k) {
   return size_t(round_up(rows, 32)) * (round_up(k, 4) * sizeof(float) + 1024) + 32768;
 }
 
+// Scale groups in a row of k inputs, one per scale_group inputs (0: the row is one group).
+inline int scale_groups_per_row(int k, int scale_group) { return scale_group > 0 ? k / scale_group : 1; }
+
 // A run of packed groups of one matrix.
 struct PackedGroups {
   const uint8_t* values;     // the first group's weights
@@ -108,7 +111,7 @@ struct PackedGroups {
   size_t group_scale_bytes;  // stride between groups in `scales`
   int k;                     // inputs per row
   int groups;
-  int scale_group = 0;       // inputs per scale (INT4: 32, 64 or 128; MXFP4: 32; GGUF: 16 or 32; 0: per row)
+  int scale_group = 0;       // inputs per scale: one of the format's FormatTraits::scale_groups (0: per row)
   // INT4 with zero points: the first group's (null: every zero point is kInt4Offset) and the
   // stride between groups.
   const uint8_t* zeros = nullptr;
@@ -220,7 +223,7 @@ constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 constexpr int kFp8Block = 128;
 constexpr int kMxfp8Block = 32, kNvfp4Block = 16;
 inline size_t fp8_scale_bytes(int k, int scale_group) {
-  return size_t(scale_group > 0 ? k / scale_group : 1) * kGroupRows * sizeof(float);
+  return size_t(scale_groups_per_row(k, scale_group)) * kGroupRows * sizeof(float);
 }
 // Whole 64-byte lines, so that the next group's scales stay aligned.
 inline int fp8_small_code_words(int k) { return round_up(ceil_div(ceil_div(k, 2), 64), 8); }
@@ -242,10 +245,12 @@ enum class PeakOp { kFmaF32, kDpBf16, kDpInt8, kTileBf16 };  // fp32 FMA, vdpbf1
 using PeakFn = double (*)(PeakOp op, int64_t iterations);
 
 // The build's GEMM per format and its peak probes, chosen once by init_kernels() (entry.cpp of each
-// kernels directory; the amx build's table is the avx512 one with tiles put in).
+// kernels directory; the amx build's table is the avx512 one with tiles put in). Filled by field
+// name ({.bf16 = ...}); the module refuses to load where a registered format's field is null
+// (require_kernels_for_every_format, formats.h).
 struct Kernels {
-  GemmFn bf16, mxfp4, int8, int4, fp8, gguf;
-  PeakFn peak;
+  GemmFn bf16 = nullptr, mxfp4 = nullptr, int8 = nullptr, int4 = nullptr, fp8 = nullptr, gguf = nullptr;
+  PeakFn peak = nullptr;
 };
 const Kernels& kernels();
 inline double peak_probe(PeakOp op, int64_t iterations) { return kernels().peak(op, iterations); }
@@ -254,14 +259,15 @@ inline double peak_probe(PeakOp op, int64_t iterations) { return kernels().peak(
 // Picks the finer paths of this build (e.g. AVX512_BF16 or plain AVX512F) from CPUID, once.
 void init_kernels();
 
-// How each kernel of the table computes, in words (FormatTraits::path names a format's).
+// How each kernel of the table computes, in words (FormatTraits::path names a format's); every path
+// is set, by field name, where two formats share a kernel too.
 struct KernelInfo {
-  const char* isa;         // the build: avx2, avx512 or amx
-  const char* bf16_path;   // how bf16 products are computed (BF16 kernels)
-  const char* mxfp4_path;  // how MXFP4 weights are multiplied
-  const char* int8_path;   // how the INT8 and INT4 kernels multiply
-  const char* fp8_path;    // how FP8 codes are decoded and multiplied
-  const char* gguf_path = nullptr;   // how GGUF's int8 values are multiplied (null: as INT8's)
+  const char* isa = nullptr;         // the build: avx2, avx512 or amx
+  const char* bf16_path = nullptr;   // how bf16 products are computed (BF16 kernels)
+  const char* mxfp4_path = nullptr;  // how MXFP4 weights are multiplied
+  const char* int8_path = nullptr;   // how the INT8 and INT4 kernels multiply
+  const char* fp8_path = nullptr;    // how FP8 codes are decoded and multiplied
+  const char* gguf_path = nullptr;   // how GGUF's int8 values are multiplied
   long emulated_tile_products = -1;  // the test-only emulated AMX build: tile products run so far
 };
 KernelInfo kernel_info();

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .expert_weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
 from .formats import require_shape
-from .weights import FLOAT_DTYPES, require_cpu_tensor, require_tensor
 
 
 def require_int(name: str, value: object, minimum: int) -> int:
@@ -123,6 +123,21 @@ def check_gpu_mask(mask: torch.Tensor | Sequence[bool] | None, num_experts: int)
         raise TypeError(f"gpu_experts_mask must be a bool tensor, got {mask.dtype}")
     require_shape("gpu_experts_mask", mask, (num_experts,), "[num_experts]")
     return mask.clone(memory_format=torch.contiguous_format)  # the engines read its memory
+
+
+def follow_gpu_mask(mask: torch.Tensor, num_experts: int) -> int:
+    """The address the engines read the mask at, where the caller gave the wrapper's mask tensor new
+    storage (``mask.data = m``, ``mask.set_(m)``, ``share_memory_()``): the new storage, or an error
+    for a mask that is no longer a CPU bool [num_experts] tensor. Never the old address."""
+    if not (mask.is_cpu and mask.layout == torch.strided and mask.is_contiguous()):
+        raise ValueError(
+            f"gpu_experts_mask must stay a dense contiguous CPU tensor, got device {mask.device}, "
+            f"layout {mask.layout}: assign a new mask with wrapper.gpu_experts_mask = m"
+        )
+    if mask.dtype != torch.bool:
+        raise TypeError(f"gpu_experts_mask must stay a bool tensor, got {mask.dtype}")
+    require_shape("gpu_experts_mask", mask, (num_experts,), "[num_experts]")
+    return mask.data_ptr()
 
 
 def check_call_inputs(

@@ -8,7 +8,7 @@ import functools
 import statistics
 import time
 
-from . import bench
+from . import bench_common
 
 
 def _sleep_cycles_per_ms(torch) -> float:
@@ -78,15 +78,15 @@ def main(args: argparse.Namespace) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shape:
-        experts, top_k, hidden, inter = bench.SHAPES[shape]
-        gate, up, down = bench.random_weights(shape)
+        experts, top_k, hidden, inter = bench_common.SHAPES[shape]
+        gate, up, down = bench_common.random_weights(shape)
         for fmt in args.format:
             moe = KTMoEWrapper(
                 0, experts, top_k, hidden, inter, None, args.threads, 1, None, 1024, method=fmt.upper()
             )
             moe.load_weights_from_tensors(gate, up, down)
             for tokens in args.tokens:
-                inputs = bench.call_inputs(shape, tokens, 1)[0]
+                inputs = bench_common.call_inputs(shape, tokens, 1)[0]
                 cpu_ms, gpu_ms, busy_ms, both_ms, overlap = _row(
                     moe, stream, inputs, args.calls, cycles_per_ms
                 )

@@ -1,7 +1,7 @@
 """``python -m kt_kernel bench --guard``: never slower than torch, on whatever CPU runs it.
 
 Prefill rows (qwen3-30b, T=512) of every format on every build this CPU runs, each build also without
-the finer paths this CPU offers it (avx512-plain, avx2-plain: bench.PLAIN_ENV), each row beside torch
+the finer paths this CPU offers it (avx512-plain, avx2-plain: bench_common.PLAIN_ENV), each row beside torch
 held to that build's instruction set and timed in the same worker process (bench.run_worker). A row
 slower than torch is timed once more, alone with its baseline; one slower twice fails the guard (exit
 status 1). CI runs it after the tests, so a CPU family whose figures nobody looked at still cannot
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import bench
+from . import bench_common
 
 SHAPE, TOKENS = "qwen3-30b", 512
 CALLS, ROW_SECONDS = 5, 2.0  # medians of 5 calls: a margin of 2x or more is the rule, not the exception
@@ -36,7 +36,7 @@ def slower_than_torch(row: dict) -> bool:
 def timed_rows(args: argparse.Namespace, runs: list, formats: list[str]) -> list[tuple[int, dict]]:
     """(index of its run in `runs`, row) of every row the workers time."""
     args.format = formats
-    workers = bench.run_workers(args, runs)
+    workers = bench_common.run_workers(args, runs)
     return [(index, row) for index, worker in enumerate(workers) for row in worker["rows"]]
 
 
@@ -62,13 +62,13 @@ def format_guard_table(rows: list[tuple[dict, dict | None]], threads: int) -> st
 def main(args: argparse.Namespace) -> int:
     problem = refusal(args)
     if problem:
-        return bench.usage_error(problem)
+        return bench_common.usage_error(problem)
     args.shape, args.tokens = args.shape or [SHAPE], args.tokens or [TOKENS]
     args.calls, args.row_seconds = CALLS, ROW_SECONDS
     try:
-        runs = bench.variant_runs("all" if args.variant == "auto" else args.variant)
+        runs = bench_common.variant_runs("all" if args.variant == "auto" else args.variant)
     except ValueError as error:
-        return bench.usage_error(str(error))
+        return bench_common.usage_error(str(error))
     first = timed_rows(args, runs, args.format)
     retries: dict[int, dict] = {}
     for position, (run, row) in enumerate(first):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .bench import (
+from .bench_common import (
     DECODE_MAX_TOKENS,
     SHAPES,
     bench_group,

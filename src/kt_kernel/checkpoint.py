@@ -25,6 +25,7 @@ ones). Safetensors files are read through kt_kernel.safetensors_io.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from . import formats, load_threads
-from .gguf_file import GGUF_FORMAT, GGUFLayerReader, gguf_layer_format, is_gguf_checkpoint
+from .gguf_file import GGUF_FORMAT, GGUFLayerReader, expert_tensor_name, gguf_layer_format, is_gguf_checkpoint
 from .safetensors_io import (
     CheckpointError,
     TensorReader,
@@ -44,8 +45,6 @@ from .safetensors_io import (
 from .sources import (
     PROJECTIONS,
     Experts,
-    ExpertSource,
-    MoELayer,
     expert_range,
     read_source_experts,
     require_source_format,
@@ -61,11 +60,6 @@ MANIFEST_NAME = "kt_manifest.json"
 def converted_file_name(layer: int) -> str:
     """The file of one layer in a converted checkpoint."""
     return f"layer_{layer:03d}.safetensors"
-
-
-def converted_tensor_name(layer: int, projection: str, kind: str) -> str:
-    """``blk.{L}.ffn_{gate,up,down}_exps.{weight,scale}``: a converted layer's tensor names."""
-    return f"blk.{layer}.ffn_{projection}_exps.{kind}"
 
 
 def read_v4_flash_experts(
@@ -214,7 +208,7 @@ def read_converted_layer(
     if header.metadata.get("format") != fmt.name:
         raise CheckpointError(f"{file}: holds {header.metadata.get('format')} weights, not {fmt.name}")
     names = {
-        projection + ("" if kind == "weight" else f"_{kind}"): converted_tensor_name(layer, projection, kind)
+        projection + ("" if kind == "weight" else f"_{kind}"): expert_tensor_name(layer, projection, kind)
         for projection in PROJECTIONS
         for kind in fmt.tensor_kinds
     }
@@ -271,44 +265,42 @@ class LayerReader:
         read. ``threads``: how many threads read and decode the experts (None: torch's).
         ``reuse_memory``: a read may return the last read's tensors, overwritten (the caller is done
         with them: load_weights packs each part before it reads the next)."""
-        self.path, self.layer, self.method, self.threads = path, layer, method, threads
-        self._buffers = load_threads.PartBuffers() if reuse_memory else None
-        self._headers: dict = {}  # safetensors headers checked, kept from one range to the next
-        self._files: dict[str, Path] | None = None
-        self._source: tuple[ExpertSource, MoELayer] | None = None
-        self._gguf: GGUFLayerReader | None = None
-        self._converted = False
-        if is_gguf_checkpoint(path):
-            self._gguf = GGUFLayerReader(path, layer, formats.get(method).name, sizes)
-            return
-        self._converted = read_manifest(path) is not None
-        if self._converted:
-            return
+        self.path, self.layer, self.method = path, layer, method
+        buffers = load_threads.PartBuffers() if reuse_memory else None
+        self._read = self._reader_of(path, layer, method, sizes, threads, buffers)  # chosen once
+
+    @staticmethod
+    def _reader_of(
+        path: str | Path,
+        layer: int,
+        method: str,
+        sizes: tuple[int, int] | None,
+        threads: int | None,
+        buffers: load_threads.PartBuffers | None,
+    ) -> Callable[[Experts], dict[str, torch.Tensor]]:
         fmt = formats.get(method)
-        self._gpt_oss_prefix: str | None = None
+        if is_gguf_checkpoint(path):
+            gguf = GGUFLayerReader(path, layer, fmt.name, sizes)
+            return lambda experts: gguf.read(experts, threads)
+        if read_manifest(path) is not None:
+            return lambda experts: read_converted_layer(path, layer, experts, method)
         if fmt.name == V4_FLASH_FORMAT:
-            self._files = index_checkpoint(path)
-            self._gpt_oss_prefix = gpt_oss_prefix(self._files, layer)
-        else:
-            require_source_format(path, fmt)
-            self._source = source_layer(path, layer, fmt, index_checkpoint(path))
-            described = self._source[1]
-            if sizes is not None and (described.hidden, described.intermediate) != tuple(sizes):
-                raise CheckpointError(
-                    f"{path} layer {layer}: experts of hidden size {described.hidden} and intermediate size "
-                    f"{described.intermediate}, the layer has {sizes[0]} and {sizes[1]}"
-                )
+            files = index_checkpoint(path)
+            prefix = gpt_oss_prefix(files, layer)
+            if prefix is not None:
+                return lambda experts: read_gpt_oss_experts(files, layer, experts, prefix)
+            checked: dict = {}  # safetensors headers checked, kept from one range to the next
+            return lambda experts: read_v4_flash_experts(
+                path, layer, experts, files, threads, checked, buffers
+            )
+        require_source_format(path, fmt)
+        source, described = source_layer(path, layer, fmt, index_checkpoint(path))
+        if sizes is not None and (described.hidden, described.intermediate) != tuple(sizes):
+            raise CheckpointError(
+                f"{path} layer {layer}: experts of hidden size {described.hidden} and intermediate size "
+                f"{described.intermediate}, the layer has {sizes[0]} and {sizes[1]}"
+            )
+        return lambda experts: read_source_experts(source, described, experts, threads, buffers)
 
     def read(self, experts: Experts) -> dict[str, torch.Tensor]:
-        if self._gguf is not None:
-            return self._gguf.read(experts, self.threads)
-        if self._converted:
-            return read_converted_layer(self.path, self.layer, experts, self.method)
-        if self._gpt_oss_prefix is not None:
-            return read_gpt_oss_experts(self._files, self.layer, experts, self._gpt_oss_prefix)
-        if self._files is not None:
-            return read_v4_flash_experts(
-                self.path, self.layer, experts, self._files, self.threads, self._headers, self._buffers
-            )
-        assert self._source is not None
-        return read_source_experts(*self._source, experts, self.threads, self._buffers)
+        return self._read(experts)

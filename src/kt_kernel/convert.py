@@ -48,8 +48,9 @@ import torch
 from safetensors import SafetensorError
 
 from . import __version__, formats
-from .checkpoint import MANIFEST_NAME, converted_file_name, converted_tensor_name, read_manifest
+from .checkpoint import MANIFEST_NAME, converted_file_name, read_manifest
 from .formats import WeightFormat
+from .gguf_file import expert_tensor_name
 from .safetensors_io import CheckpointError, index_checkpoint, read_safetensors_header
 from .sources import PROJECTIONS, ExpertSource, MoELayer
 from .sources import dequantize_fp8_blocks as dequantize_fp8_blocks  # also kt_kernel.convert's name
@@ -273,7 +274,7 @@ def _convert_layer(
             for kind, tensor in (("weight", values), ("scale", scales)):
                 if tensor is None:
                     continue
-                name = converted_tensor_name(layer.index, projection, kind)
+                name = expert_tensor_name(layer.index, projection, kind)  # GGUF's names
                 if name not in out:
                     out[name] = torch.empty((layer.experts, *tensor.shape), dtype=tensor.dtype)
                 out[name][expert] = tensor

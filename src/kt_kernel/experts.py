@@ -16,9 +16,14 @@ import torch
 
 from . import checkpoint, deferred, formats, stream_path, write_back
 from ._native import ext
-from .arguments import THREADS_PER_CPU_LIMIT, check_gpu_mask, check_layer_options, initial_gpu_mask
+from .arguments import (
+    THREADS_PER_CPU_LIMIT,
+    check_gpu_mask,
+    check_layer_options,
+    follow_gpu_mask,
+    initial_gpu_mask,
+)
 from .direct_path import DirectForward
-from .formats import require_shape
 from .loading import LOAD_PARTS, LayerWeights
 from .subpools import intermediate_granularity, plan_subpools, split_intermediate
 
@@ -184,22 +189,6 @@ class KTMoEWrapper:
         """How many experts gpu_experts_mask marks now."""
         return int(self._gpu_experts_mask.sum())
 
-    def _follow_gpu_mask(self) -> None:
-        """The engines read the mask's memory at submit: where the caller gave the tensor new storage
-        (``mask.data = m``, ``mask.set_(m)``, ``share_memory_()``), read the new storage, or refuse a
-        mask that is no longer a CPU bool [num_experts] tensor. Never the old address."""
-        mask = self._gpu_experts_mask  # new storage means a new address: checked once, here
-        self._gpu_mask_address = 0  # until it checks out
-        if not (mask.is_cpu and mask.layout == torch.strided and mask.is_contiguous()):
-            raise ValueError(
-                f"gpu_experts_mask must stay a dense contiguous CPU tensor, got device {mask.device}, "
-                f"layout {mask.layout}: assign a new mask with wrapper.gpu_experts_mask = m"
-            )
-        if mask.dtype != torch.bool:
-            raise TypeError(f"gpu_experts_mask must stay a bool tensor, got {mask.dtype}")
-        require_shape("gpu_experts_mask", mask, self._mask_shape, "[num_experts]")
-        self._gpu_mask_address = mask.data_ptr()
-
     def load_weights_from_tensors(
         self,
         gate_proj: torch.Tensor,
@@ -315,8 +304,9 @@ class KTMoEWrapper:
                     if self._layer is None
                     else "weights are not loaded: call load_weights_from_tensors first"
                 )
-            if self._gpu_experts_mask.data_ptr() != self._gpu_mask_address:
-                self._follow_gpu_mask()
+            if self._gpu_experts_mask.data_ptr() != self._gpu_mask_address:  # new storage: checked once
+                self._gpu_mask_address = 0  # until it checks out
+                self._gpu_mask_address = follow_gpu_mask(self._gpu_experts_mask, self.num_experts)
             if self._weights.unpacked is not None:
                 idle = "load the experts gpu_experts_mask hands to the CPU"
                 self._weights.load_handed_back(

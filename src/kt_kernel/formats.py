@@ -6,32 +6,10 @@ packed along K, and, except BF16, scales of ``scale_bytes`` each: one per output
 rules, the multiple K must be of and its bound come from the compiled module's FORMATS, so that
 Python and the engine cannot disagree; an entry adds what only Python does: its method aliases,
 the dtypes a caller may hand its tensors in, the dtypes a Hugging Face checkpoint ships it in,
-quantize and dequantize. The canonical layouts:
+quantize and dequantize.
 
-MXFP4 (OCP Microscaling, as DeepSeek-V4-Flash ships its experts):
-
-- codes ``[..., N, K/2]`` uint8: two E2M1 values per byte, the LOW nibble holds the even k.
-  Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
-- scales ``[..., N, K/32]`` uint8 E8M0: block b of row n is multiplied by 2^(scale - 127);
-  0xFF is NaN in the spec and is rejected by the loaders.
-- ``quantize`` picks, per block of 32, the smallest power of two that keeps the block's largest
-  magnitude within 6, then rounds every value to the nearest E2M1 value (ties to even).
-
-INT8: values ``[..., N, K]`` int8 (symmetric, -127..127 when quantized here; -128 is accepted when
-loaded), scales ``[..., N]`` float32, one per output row; w = q * s.
-
-INT4: values ``[..., N, K/2]`` uint8, two signed 4-bit values per byte (two's complement, -8..7),
-the LOW nibble holds the even k; scales ``[..., N, K/G]`` float32, G = K / scales.shape[-1] in
-{32, 64, 128}; w = q * s[k // G]. ``quantize`` uses -7..7 (symmetric) and G = 128 unless told.
-Optionally zero points (asymmetric checkpoints such as GPTQ's): ``[..., N, K/G]`` int8 in -8..8,
-shaped like the scales; then w = (q - z[k // G]) * s[k // G].
-
-GGUF: values ``[..., N, K]`` int8 and scales ``[..., N, 2K/G]`` float32, G in {16, 32}: per group
-of G inputs a (scale, min) pair, interleaved; w = q * s[k // G] + m[k // G]. kt_kernel.gguf_blocks
-turns each of llama.cpp's integer block types into it exactly. ``quantize`` uses -127..127 and
-min 0 (G = 32).
-
-BF16 is the weight itself in bfloat16 (no scales).
+The formats are the entries of FORMATS (at the end of this module, in the engine's order); each
+one's canonical layout is the docstring of its class, and its scale groups are ``scale_groups``.
 
 A new format is a WeightFormat subclass with its ``_encode`` and ``_decode`` (and, with scales,
 ``_checked_scales``), and one instance of it in FORMATS; the engine must list it in its own FORMATS.
@@ -57,7 +35,7 @@ _E2M1_AS_E4M3 = _E2M1_SIGNED.to(torch.float8_e4m3fn).view(torch.uint8)  # every 
 _FLOAT_SCALES = (torch.float32, torch.bfloat16)
 _E8M0_SCALES = (torch.uint8, torch.float8_e8m0fnu)
 FP8_MAX = 448.0  # the largest E4M3 "fn" value
-FP8_BLOCK = 128  # DeepSeek's scale blocks: 128 x 128 weights
+FP8_BLOCK = ext.FP8_BLOCK  # DeepSeek's scale blocks: 128 x 128 weights (kernels.h's kFp8Block)
 MX_BLOCK = 32  # OCP MX formats (MXFP8, MXFP4): one E8M0 scale per 32 inputs of a row
 NVFP4_BLOCK = 16  # NVIDIA's NVFP4: one E4M3 scale per 16 inputs of a row, one fp32 scale per tensor
 
@@ -381,6 +359,8 @@ class WeightFormat:
 
 
 class _Bf16(WeightFormat):
+    """The weight itself in bfloat16, no scales."""
+
     def from_float(self, name: str, weight: torch.Tensor, first_expert: int = 0) -> tuple[torch.Tensor, None]:
         return self._encode(weight, 0)  # the weight itself, as given: nothing to refuse
 
@@ -392,6 +372,16 @@ class _Bf16(WeightFormat):
 
 
 class _Mxfp4(WeightFormat):
+    """OCP Microscaling, as DeepSeek-V4-Flash ships its experts:
+
+    - codes ``[..., N, K/2]`` uint8: two E2M1 values per byte, the LOW nibble holds the even k.
+      Codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
+    - scales ``[..., N, K/32]`` uint8 E8M0: block b of row n is multiplied by 2^(scale - 127);
+      0xFF is NaN in the spec and is rejected by the loaders.
+    - ``quantize`` picks, per block of 32, the smallest power of two that keeps the block's largest
+      magnitude within 6, then rounds every value to the nearest E2M1 value (ties to even).
+    """
+
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
         amax = blocks.abs().amax(dim=-1)
@@ -436,6 +426,9 @@ class _FloatScaled(WeightFormat):
 
 
 class _Int8(_FloatScaled):
+    """Values ``[..., N, K]`` int8 (symmetric, -127..127 when quantized here; -128 is accepted when
+    loaded), scales ``[..., N]`` float32, one per output row; w = q * s."""
+
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight.float()
         scale = w.abs().amax(dim=-1) / 127
@@ -448,6 +441,12 @@ class _Int8(_FloatScaled):
 
 
 class _Int4(_FloatScaled):
+    """Values ``[..., N, K/2]`` uint8, two signed 4-bit values per byte (two's complement, -8..7),
+    the LOW nibble holds the even k; scales ``[..., N, K/G]`` float32, G = K / scales.shape[-1] one
+    of ``scale_groups``; w = q * s[k // G]. ``quantize`` uses -7..7 (symmetric) and the largest G
+    dividing K unless told. Optionally zero points (asymmetric checkpoints such as GPTQ's): ``[..., N, K/G]``
+    int8 in -8..8, shaped like the scales; then w = (q - z[k // G]) * s[k // G]."""
+
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         groups = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
         scale = groups.abs().amax(dim=-1) / 7
@@ -466,8 +465,10 @@ class _Int4(_FloatScaled):
 
 
 class _Gguf(_FloatScaled):
-    """llama.cpp's integer block types as kt_kernel.gguf_blocks holds them: int8 values and, per G
-    inputs of a row, a (scale, min) pair of float32, interleaved: w = q * scale + min."""
+    """llama.cpp's integer block types as kt_kernel.gguf_blocks holds them (exactly): values
+    ``[..., N, K]`` int8 and scales ``[..., N, 2K/G]`` float32, G one of ``scale_groups``: per group
+    of G inputs a (scale, min) pair, interleaved; w = q * s[k // G] + m[k // G]. ``quantize`` uses
+    -127..127, min 0 and the largest G dividing K."""
 
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         groups = weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // group, group)
@@ -485,9 +486,11 @@ class _Gguf(_FloatScaled):
 
 
 class _Fp8(_FloatScaled):
-    """E4M3 ("fn") codes, one byte per weight, with a float32 scale per output row, per 32 inputs
-    (MXFP8: its E8M0 scales taken as floats, exactly) or per 128 inputs; DeepSeek's scales per
-    128 x 128 block are expanded along the rows on load."""
+    """Codes ``[..., N, K]`` uint8, E4M3 ("fn"), one byte per weight; scales float32 (bf16
+    accepted) ``[..., N]`` (one per output row) or ``[..., N, K/G]``, G one of ``scale_groups``
+    (NVFP4's blocks of 16 widened to E4M3 by nvfp4_to_fp8, MXFP8's of 32 with their E8M0 scales
+    taken as floats, exactly, blocks of FP8_BLOCK); w = code * s[k // G]. DeepSeek's scales per
+    FP8_BLOCK x FP8_BLOCK block are expanded along the rows on load."""
 
     def _encode(self, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = weight.float().reshape(*weight.shape[:-1], -1, group or weight.shape[-1])

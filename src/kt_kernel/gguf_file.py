@@ -53,6 +53,8 @@ def _gguf() -> Any:
 
 
 def expert_tensor_name(layer: int, projection: str, kind: str = "weight") -> str:
+    """``blk.{L}.ffn_{gate,up,down}_exps.{weight,scale}``: the stacked experts of one projection of a
+    layer (GGUF's name, which converted checkpoints use too)."""
     return f"blk.{layer}.ffn_{projection}_exps.{kind}"
 
 

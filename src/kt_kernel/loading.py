@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from . import checkpoint
+from .expert_weights import check_slot_map, prepare, prepare_biases, subpool_slice
 from .formats import WeightFormat
-from .weights import check_slot_map, prepare, prepare_biases, subpool_slice
 
 #: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
 #: that it needs about one part's tensors of memory beyond the packed layer.
@@ -35,7 +35,7 @@ class LayerWeights:
         # Per projection, the inputs one scale covers (1 without group scales), set at load.
         self.scale_groups: dict[str, int] = {}
         self.zero_points = False  # INT4 loaded with zero points (asymmetric GPTQ)
-        # Expert biases loaded, per slot (kt_kernel.weights.prepare_biases), or None.
+        # Expert biases loaded, per slot (kt_kernel.expert_weights.prepare_biases), or None.
         self.bias_table: dict[str, torch.Tensor] | None = None
         # skip_gpu_expert_cpu_copy: the slots left out of CPU memory (GPU experts at load), and where
         # load_weights read each slot's expert from (None: the weights came from tensors).

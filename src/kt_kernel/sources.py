@@ -34,7 +34,6 @@ def expert_range(experts: Experts) -> range:
     return range(experts) if isinstance(experts, int) else experts
 
 
-FP8_BLOCK = 128
 #: Float weights, read as they are; also the dtypes scales may be stored in.
 _FLOAT_DTYPES = ("BF16", "F16", "F32")
 #: FP8 weights, each with a scale tensor beside it (ExpertSource._fp8_scale).
@@ -101,7 +100,7 @@ def _mx_shape(shape: list[int]) -> list[int] | None:
     return [shape[0], shape[1] // formats.MX_BLOCK]
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK):
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = formats.FP8_BLOCK):
     """FP8 ``[N, K]`` times one fp32 scale per ``block x block`` tile (``[ceil(N/b), ceil(K/b)]``),
     as float32: DeepSeek's ``weight_scale_inv`` is a multiplier despite its name."""
     n, k = weight.shape
@@ -345,7 +344,7 @@ class ExpertSource:
         128 x 128 block (DeepSeek) or per 32 inputs of a row (MXFP8), or compressed-tensors'
         ``weight_scale`` per row."""
         if key + "_scale_inv" in self.reader or key + "_scale" not in self.reader:
-            blocks = [-(-size // FP8_BLOCK) for size in shape]
+            blocks = [-(-size // formats.FP8_BLOCK) for size in shape]
             return key + "_scale_inv", [blocks] + ([_mx_shape(shape)] if _mx_shape(shape) else [])
         return key + "_scale", [[shape[0], 1], [shape[0]]]
 

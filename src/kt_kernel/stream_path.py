@@ -143,6 +143,8 @@ class Retired:
 
     def collect(self) -> None:
         """Free what every fence lets go; fence again where a stream was being captured."""
+        if not self._entries:  # the usual case, at every submit: no lock taken
+            return
         with self.lock:
             kept = []
             for buffers, fences in self._entries:
@@ -152,9 +154,6 @@ class Retired:
                 if not all(fence and ext.fence_passed(fence) for fence in fences.values()):
                     kept.append((buffers, fences))
             self._entries = kept
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def keep_forever(buffers: object) -> None:
@@ -279,8 +278,11 @@ class StreamForward:
         self.hidden, self.top_k = hidden, top_k
         self.call: StreamCall | None = None  # submitted, not yet synced
         self._prepared: dict[tuple[int, torch.device], int] = {}  # (thread, device) -> BUFFERS.generation
-        # Host inputs a queued copy still reads, with the queued() count that makes them free.
-        self._keep_alive: collections.deque[tuple[int, tuple[torch.Tensor, ...]]] = collections.deque()
+        # Host inputs a queued copy still reads, with the queued() count that makes them free and the
+        # stream that reads them.
+        self._keep_alive: collections.deque[tuple[int, int, tuple[torch.Tensor | None, ...]]] = (
+            collections.deque()
+        )
         # Every storage of the GPU-expert mask a call was given: its host function reads the mask
         # when it runs, a captured one at every replay, so the memory stays.
         self._masks: dict[int, torch.UntypedStorage] = {}
@@ -348,7 +350,7 @@ class StreamForward:
             done = self.layer.completed
             while self._keep_alive and self._keep_alive[0][0] <= done:
                 self._keep_alive.popleft()
-            self._keep_alive.append((self.layer.queued, (x, ids, weights, deferred_ids)))
+            self._keep_alive.append((self.layer.queued, stream, (x, ids, weights, deferred_ids)))
         return StreamCall(stream, handle, tokens, device, slot, adds, deferred_ids is not None, self)
 
     def sync(self, cuda_stream: object = None) -> torch.Tensor:
@@ -407,3 +409,6 @@ class StreamForward:
         call, self.call = self.call, None
         if call is not None and call is not deferring and call.slot is not None:
             BUFFERS.retire(call.slot, call.stream)
+        for _, stream, inputs in self._keep_alive:  # queued copies may still read them: not freed with us
+            BUFFERS.retired.add(inputs, {stream})
+        self._keep_alive.clear()

@@ -1,4 +1,5 @@
-// FP8: E4M3 codes with float scales per channel or per 128 inputs (packed layout in kernels.h).
+// FP8: E4M3 codes with float scales per channel or per block of inputs (the scale groups of its entry
+// below; packed layout in kernels.h).
 #include <algorithm>
 #include <cstring>
 
@@ -18,7 +19,7 @@ inline bool has_zero_byte(uint64_t x) { return ((x - 0x0101010101010101ull) & ~x
 void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int scale_group, uint8_t* packed,
           uint8_t* packed_scales) {
   const float* scales = reinterpret_cast<const float*>(scale_bytes);
-  const int scales_per_row = scale_group > 0 ? k / scale_group : 1;
+  const int per_row = scale_groups_per_row(k, scale_group);
   const int pairs = ceil_div(k, 2), whole_pairs = k / 2;
   for (int g = 0; g < packed_groups(rows); ++g) {
     uint8_t* group = packed + g * group_bytes(k);
@@ -27,8 +28,8 @@ void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int
     if (real_rows < kGroupRows || k % 2) std::memset(group, 0, group_bytes(k));  // code 0 = +0
     for (int r = 0; r < kGroupRows; ++r) {
       const size_t row = size_t(g) * kGroupRows + r;
-      for (int s = 0; s < scales_per_row; ++s)
-        group_scales[s * kGroupRows + r] = r < real_rows ? scales[row * scales_per_row + s] : 0.0f;
+      for (int s = 0; s < per_row; ++s)
+        group_scales[s * kGroupRows + r] = r < real_rows ? scales[row * per_row + s] : 0.0f;
       if (r >= real_rows) continue;
       // Pair p of the row (two codes) goes to slot r of the group's pair p.
       const uint8_t* src = codes + row * k;
@@ -36,7 +37,7 @@ void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int
       if (k % 2) group[size_t(whole_pairs) * 2 * kGroupRows + 2 * r] = src[k - 1];
     }
     // A pair's bit: some code of its 32 bytes has a zero exponent field (the kernels' slower decode).
-    uint64_t* small_codes = reinterpret_cast<uint64_t*>(group_scales + scales_per_row * kGroupRows);
+    uint64_t* small_codes = reinterpret_cast<uint64_t*>(group_scales + per_row * kGroupRows);
     std::memset(small_codes, 0, fp8_small_code_words(k) * sizeof(uint64_t));
     static_assert(2 * kGroupRows == 4 * sizeof(uint64_t));
     for (int p = 0; p < pairs; ++p) {
@@ -50,7 +51,7 @@ void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int
 }
 
 void unpack(const PackedGroups& w, const UnpackRegion& region) {
-  const int scales_per_row = w.scale_group > 0 ? w.k / w.scale_group : 1;
+  const int per_row = scale_groups_per_row(w.k, w.scale_group);
   for (int i = 0; i < region.rows; ++i) {
     const int row = region.row0 + i, r = row % kGroupRows;
     const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
@@ -61,8 +62,8 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
       dst[c] = group[(k / 2) * 2 * kGroupRows + 2 * r + k % 2];
     }
     const int first = w.scale_group > 0 ? region.k0 / w.scale_group : 0;
-    const int count = w.scale_group > 0 ? region.cols / w.scale_group : 1;
-    for (int s = 0; s < count && first + s < scales_per_row; ++s)
+    const int count = scale_groups_per_row(region.cols, w.scale_group);
+    for (int s = 0; s < count && first + s < per_row; ++s)
       std::memcpy(region.scales + i * region.scales_stride + s * sizeof(float), group_scales + (first + s) * kGroupRows + r,
                   sizeof(float));
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "formats.h"
+#include "gguf_levels.h"
 #include "packed_positions.h"
 
 KT_NAMESPACE_BEGIN
@@ -16,15 +17,6 @@ namespace {
 // The packed min of a canonical one: the kernels multiply it by -128 * sum(x) (kernels.h). Exact:
 // a power of two.
 constexpr float kMinFactor = -1.0f / kInt8Offset;
-
-// The levels of the 4-bit and smaller ggml types (kt_kernel/gguf_blocks.py): Q4_1, Q4_K and Q2_K's
-// 0..15; Q4_0 and Q3_K's -8..7; MXFP4's and NVFP4's E2M1 values doubled; IQ4_NL's and IQ4_XS's.
-constexpr int8_t kLevelSets[][kLevels] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7},
-    {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12},
-    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113},
-};
 
 bool levels_of(const int8_t* values, size_t count, int8_t* levels) {
   bool seen[256] = {};
