@@ -245,3 +245,20 @@ def test_gguf_rows_are_held_in_the_bytes_the_bench_counts(fmt):
     for moe in (layer, model):
         # rel: the tiny shape's 128-input rows are half a block of factored scales (a float per 256)
         assert sum(sp.engine.packed_bytes() for sp in moe._subpools) == pytest.approx(expected, rel=0.03)
+
+
+def test_load_mode_prints_a_row_per_format(tmp_path):
+    """A tiny layer in every checkpoint format, loaded once in a fresh process (figures not asserted)."""
+    pytest.importorskip("gguf")
+    out = tmp_path / "load.json"
+    result = run_bench("--load", "--load-shape", "4", "256", "256", "--load-threads", "1", "--load-runs", "1",
+                       "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["format"], r["threads"]) for r in rows] == [
+        (f, 1) for f in ("bf16", "fp8", "mxfp4", "nvfp4", "gguf")
+    ]
+    for row in rows:
+        assert row["load_s"] > 0 and row["file_mib"] > 0 and row["held_per_file"] > 0
+        assert row["format"] in result.stdout
+    assert "GB/s of file" in result.stdout

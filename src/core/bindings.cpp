@@ -23,6 +23,7 @@ namespace nb = nanobind;
 using kt::bf16_t;
 
 void bind_stream_calls(nb::module_& m);  // bindings_stream.cpp
+void bind_load_helpers(nb::module_& m);  // bindings_load.cpp
 
 // bf16 tensors cross as int16 views (DLPack has bf16, but one integer type keeps this simple).
 template <typename T, typename... Shape>
@@ -366,4 +367,5 @@ NB_MODULE(KT_MODULE_NAME, m) {
   bind_engine(m);
   bind_subpools(m);
   bind_stream_calls(m);
+  bind_load_helpers(m);
 }

@@ -1,6 +1,8 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -163,8 +165,18 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
   } else {
     // A part the layout so far cannot hold (a valid layer whose later experts differ) is not refused:
     // the projection is held anew in the layout of all its experts (rehold).
-    for (auto [dst, src] : {std::pair{&w.gate, gate}, std::pair{&w.up, up}, std::pair{&w.down, down}})
-      if (!holds(format_, *dst, src, num_sources)) rehold(format_, *dst, w.packed, src, source_of_slot);
+    // Checked by the pool's threads, a share of the matrices each (the check reads every value).
+    const std::array<std::pair<PackedProjection*, SourceProjection>, 3> projections = {
+        std::pair{&w.gate, gate}, std::pair{&w.up, up}, std::pair{&w.down, down}};
+    std::array<std::atomic<bool>, 3> held = {true, true, true};
+    pool_->run([&](int worker) {
+      const size_t first = size_t(num_sources) * worker / pool_->size();
+      const size_t last = size_t(num_sources) * (worker + 1) / pool_->size();
+      for (size_t p = 0; p < projections.size(); ++p)
+        if (!holds(format_, *projections[p].first, projections[p].second, first, last - first)) held[p] = false;
+    });
+    for (size_t p = 0; p < projections.size(); ++p)
+      if (!held[p]) rehold(format_, *projections[p].first, w.packed, projections[p].second, source_of_slot);
     if (gate.zeros != nullptr) w.gate.add_zero_points(format_, E);
     if (up.zeros != nullptr) w.up.add_zero_points(format_, E);
     if (down.zeros != nullptr) w.down.add_zero_points(format_, E);

@@ -76,8 +76,14 @@ HeldLayout held_layout(const FormatTraits& format, const SourceProjection& src, 
   return format.held_layouts ? format.held_layouts->of(canonical(src, count, rows, k)) : HeldLayout{};
 }
 
-bool holds(const FormatTraits& format, const PackedProjection& dst, const SourceProjection& src, size_t count) {
-  return !format.held_layouts || format.held_layouts->holds(dst.held, canonical(src, count, dst.rows, dst.k));
+bool holds(const FormatTraits& format, const PackedProjection& dst, const SourceProjection& src, size_t first,
+           size_t count) {
+  if (!format.held_layouts || count == 0) return true;
+  CanonicalMatrices matrices = canonical(src, count, dst.rows, dst.k);
+  matrices.values += first * dst.rows * format.row_bytes(dst.k);
+  if (matrices.scales != nullptr)
+    matrices.scales += first * dst.rows * format.scales_per_row(dst.k, src.scale_group) * format.scale_bytes();
+  return format.held_layouts->holds(dst.held, matrices);
 }
 
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert) {

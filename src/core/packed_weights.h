@@ -74,8 +74,10 @@ inline const float* bias_row(const std::vector<float>& bias, int slot, int rows)
 // The layout that holds `count` canonical matrices (rows x k) of `src` exactly, where the format
 // chooses by the data (FormatTraits::held_layouts); else the default, unused.
 HeldLayout held_layout(const FormatTraits& format, const SourceProjection& src, size_t count, int rows, int k);
-// Whether dst's layout holds `count` more canonical matrices of `src` (a later part of a load).
-bool holds(const FormatTraits& format, const PackedProjection& dst, const SourceProjection& src, size_t count);
+// Whether dst's layout holds canonical matrices [first, first + count) of `src` (a later part of a
+// load): a check of each matrix on its own, so that workers may check a part's matrices between them.
+bool holds(const FormatTraits& format, const PackedProjection& dst, const SourceProjection& src, size_t first,
+           size_t count);
 
 // Packs matrix `matrix` (rows x k) of the canonical source into expert `expert` of `dst`.
 void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix, PackedProjection& dst, int expert);

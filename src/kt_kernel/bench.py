@@ -8,7 +8,8 @@ torch._weight_int8pack_mm / torch._weight_int4pack_mm_for_cpu on the same quanti
 and int4.
 
 `--model SHAPE` times a stack of layers instead (bench_model.py); `--guard` is CI's check against torch
-(bench_guard.py), `--gpu` the stream path with CUDA tensors (bench_gpu.py).
+(bench_guard.py), `--gpu` the stream path with CUDA tensors (bench_gpu.py), `--load` load_weights()
+from each checkpoint format (bench_load.py).
 """
 
 from __future__ import annotations
@@ -391,6 +392,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--deferred", type=non_negative_int, metavar="D",
         help="pass max_deferred_experts_per_token=D to every layer",
     )  # fmt: skip
+    from . import bench_load
+
+    bench_load.add_arguments(parser)
 
 
 def check_model_arguments(args: argparse.Namespace) -> str | None:
@@ -419,6 +423,10 @@ def main(args: argparse.Namespace) -> int:
     problem = check_model_arguments(args)
     if problem:
         return usage_error(problem)
+    if args.load is not None:
+        from . import bench_load
+
+        return bench_load.main(args, SHAPES)
     if args.quick:
         args.shape, args.tokens, args.calls = ["qwen3-30b"], [1, 64], 10
     if args.guard:

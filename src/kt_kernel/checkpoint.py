@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import formats
+from . import formats, load_threads
 from .gguf_file import GGUF_FORMAT, GGUFLayerReader, expert_tensor_name, gguf_layer_format, is_gguf_checkpoint
 from .safetensors_io import (
     CheckpointError,
@@ -63,36 +63,50 @@ def converted_file_name(layer: int) -> str:
 
 
 def read_v4_flash_experts(
-    path: str | Path, layer: int, experts: Experts, files: dict[str, Path] | None = None
+    path: str | Path,
+    layer: int,
+    experts: Experts,
+    files: dict[str, Path] | None = None,
+    threads: int | None = None,
+    headers: dict | None = None,
+    buffers: load_threads.PartBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
     """MXFP4 experts of one layer as canonical uint8 tensors: gate/up/down [E, N, K/2] and
     gate_scale/up_scale/down_scale [E, N, K/32] (the keyword names of load_weights_from_tensors).
-    ``files``: the checkpoint's index_checkpoint, where the caller has it already."""
+    ``files``: the checkpoint's index_checkpoint, where the caller has it already; the experts are
+    read on ``threads`` threads (load_threads.each) into ``buffers``' memory where given;
+    ``headers``: as TensorReader's."""
     experts = expert_range(experts)
     files = files if files is not None else index_checkpoint(path)
     prefix = "model." if f"model.layers.{layer}.ffn.experts.0.w1.weight" in files else ""
     result: dict[str, torch.Tensor] = {}
+    tensors = [
+        (kind, out_name, short)
+        for name, short in V4_FLASH_PROJECTIONS.items()
+        for kind, out_name in (("weight", name), ("scale", f"{name}_scale"))
+    ]
+
+    def read(index: int) -> None:
+        for kind, out_name, short in tensors:
+            key = f"{prefix}layers.{layer}.ffn.experts.{experts[index]}.{short}.{kind}"
+            tensor = reader.read(key)
+            if tensor.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
+                raise CheckpointError(f"tensor {key!r} has dtype {tensor.dtype}, expected I8/U8/F8_E8M0")
+            if index == 0:
+                result[out_name] = load_threads.empty(
+                    buffers, out_name, (len(experts), *tensor.shape), torch.uint8
+                )
+            elif tuple(tensor.shape) != tuple(result[out_name].shape[1:]):
+                raise CheckpointError(
+                    f"tensor {key!r} has shape {list(tensor.shape)}, "
+                    f"but expert {experts.start} has {list(result[out_name].shape[1:])}"
+                )
+            result[out_name][index] = tensor.view(torch.uint8)
+
     with ExitStack() as stack:
-        reader = TensorReader(files, stack)
-        for name, short in V4_FLASH_PROJECTIONS.items():
-            for kind, out_name in (("weight", name), ("scale", f"{name}_scale")):
-                stacked = None
-                for index, expert in enumerate(experts):
-                    key = f"{prefix}layers.{layer}.ffn.experts.{expert}.{short}.{kind}"
-                    tensor = reader.read(key)
-                    if tensor.dtype not in (torch.int8, torch.uint8, torch.float8_e8m0fnu):
-                        raise CheckpointError(
-                            f"tensor {key!r} has dtype {tensor.dtype}, expected I8/U8/F8_E8M0"
-                        )
-                    if stacked is None:
-                        stacked = torch.empty((len(experts), *tensor.shape), dtype=torch.uint8)
-                    elif tuple(tensor.shape) != tuple(stacked.shape[1:]):
-                        raise CheckpointError(
-                            f"tensor {key!r} has shape {list(tensor.shape)}, "
-                            f"but expert {experts.start} has {list(stacked.shape[1:])}"
-                        )
-                    stacked[index] = tensor.view(torch.uint8)
-                result[out_name] = stacked
+        reader = TensorReader(files, stack, headers)
+        read(0)  # the first expert's shapes size the tensors
+        load_threads.each(read, range(1, len(experts)), threads)
     return result
 
 
@@ -238,21 +252,36 @@ class LayerReader:
     found and checked, once, not per range (a big model's index holds ~100k tensor names)."""
 
     def __init__(
-        self, path: str | Path, layer: int, method: str, sizes: tuple[int, int] | None = None
+        self,
+        path: str | Path,
+        layer: int,
+        method: str,
+        sizes: tuple[int, int] | None = None,
+        threads: int | None = None,
+        reuse_memory: bool = False,
     ) -> None:
         """``sizes``: the (hidden, intermediate) the caller's layer has; a Hugging Face directory's
         or GGUF model's layer of other sizes is refused here, from the headers, before any expert is
-        read."""
+        read. ``threads``: how many threads read and decode the experts (None: torch's).
+        ``reuse_memory``: a read may return the last read's tensors, overwritten (the caller is done
+        with them: load_weights packs each part before it reads the next)."""
         self.path, self.layer, self.method = path, layer, method
-        self._read = self._reader_of(path, layer, method, sizes)  # chosen once, from the directory
+        buffers = load_threads.PartBuffers() if reuse_memory else None
+        self._read = self._reader_of(path, layer, method, sizes, threads, buffers)  # chosen once
 
     @staticmethod
     def _reader_of(
-        path: str | Path, layer: int, method: str, sizes: tuple[int, int] | None
+        path: str | Path,
+        layer: int,
+        method: str,
+        sizes: tuple[int, int] | None,
+        threads: int | None,
+        buffers: load_threads.PartBuffers | None,
     ) -> Callable[[Experts], dict[str, torch.Tensor]]:
         fmt = formats.get(method)
         if is_gguf_checkpoint(path):
-            return GGUFLayerReader(path, layer, fmt.name, sizes).read
+            gguf = GGUFLayerReader(path, layer, fmt.name, sizes)
+            return lambda experts: gguf.read(experts, threads)
         if read_manifest(path) is not None:
             return lambda experts: read_converted_layer(path, layer, experts, method)
         if fmt.name == V4_FLASH_FORMAT:
@@ -260,7 +289,10 @@ class LayerReader:
             prefix = gpt_oss_prefix(files, layer)
             if prefix is not None:
                 return lambda experts: read_gpt_oss_experts(files, layer, experts, prefix)
-            return lambda experts: read_v4_flash_experts(path, layer, experts, files)
+            checked: dict = {}  # safetensors headers checked, kept from one range to the next
+            return lambda experts: read_v4_flash_experts(
+                path, layer, experts, files, threads, checked, buffers
+            )
         require_source_format(path, fmt)
         source, described = source_layer(path, layer, fmt, index_checkpoint(path))
         if sizes is not None and (described.hidden, described.intermediate) != tuple(sizes):
@@ -268,7 +300,7 @@ class LayerReader:
                 f"{path} layer {layer}: experts of hidden size {described.hidden} and intermediate size "
                 f"{described.intermediate}, the layer has {sizes[0]} and {sizes[1]}"
             )
-        return lambda experts: read_source_experts(source, described, experts)
+        return lambda experts: read_source_experts(source, described, experts, threads, buffers)
 
     def read(self, experts: Experts) -> dict[str, torch.Tensor]:
         return self._read(experts)

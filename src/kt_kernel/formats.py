@@ -58,7 +58,9 @@ def nvfp4_to_fp8(
     the same values, and each block's E4M3 scale [..., N, K/16] times the fp32 ``global_scale`` (a
     scalar, or one per leading index) is one fp32 product, never rounded to bf16. The codes take a
     byte per weight: twice NVFP4's memory."""
-    codes = _E2M1_AS_E4M3[_unpack_nibbles(values).long()]
+    values = values.contiguous().view(torch.uint8)
+    codes = torch.empty((*values.shape[:-1], 2 * values.shape[-1]), dtype=torch.uint8)
+    ext.expand_nibbles(values, _E2M1_AS_E4M3, codes)  # one pass: a table lookup per nibble
     scale = torch.as_tensor(global_scale, dtype=torch.float32)
     scale = scale.reshape(*scale.shape, *([1] * (block_scales.dim() - scale.dim())))
     return codes, (block_scales.view(torch.float8_e4m3fn).float() * scale).contiguous()
@@ -87,6 +89,22 @@ def first_index(mask: torch.Tensor, first_expert: int = 0) -> list[int]:
     """The index of the first True of ``mask`` ``[E, ...]``, its expert counted from ``first_expert``
     (the tensor holds a part of a layer's experts)."""
     where = mask.nonzero()[0].tolist()
+    where[0] += first_expert
+    return where
+
+
+def first_byte_index(data: torch.Tensor, mask: int, value: int, first_expert: int = 0) -> list[int] | None:
+    """The index of the first byte b of the contiguous uint8 ``data`` ``[E, ...]`` with
+    (b & mask) == value, counted as first_index counts it; None where there is none. One pass, no
+    temporaries (a check of every weight of a layer)."""
+    flat = ext.first_byte_match(data, mask, value)
+    if flat < 0:
+        return None
+    where = []
+    for size in reversed(data.shape):
+        flat, index = divmod(flat, size)
+        where.append(index)
+    where.reverse()
     where[0] += first_expert
     return where
 
@@ -507,9 +525,8 @@ class _Fp8(_FloatScaled):
         N), ``[..., N, K/128]``, or ``[..., N, K/32]`` (MXFP8's blocks; its E8M0 scales as uint8 or
         float8_e8m0fnu). ValueError for a NaN code or a scale that fits none of these."""
         codes = codes.contiguous().view(torch.uint8)
-        nan = (codes & 0x7F) == 0x7F
-        if nan.any():
-            where = first_index(nan, first_expert)
+        where = first_byte_index(codes, 0x7F, 0x7F, first_expert)
+        if where is not None:
             raise ValueError(f"{name} holds an FP8 NaN code (0x7F or 0xFF; first at index {where})")
         *lead, n, k = codes.shape
         blocks = (*lead, -(-n // FP8_BLOCK), k // FP8_BLOCK)

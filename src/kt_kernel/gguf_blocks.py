@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import load_threads
+
 #: kvalues_iq4nl: IQ4_NL's and IQ4_XS's 16 levels.
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 #: E2M1's values doubled (kvalues_mxfp4): integers, the halving goes into the scale.
@@ -241,10 +243,11 @@ BLOCK_TYPES: dict[str, BlockType] = {
 _CHUNK_BLOCKS = 8192
 
 
-def convert_rows(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def convert_rows(type_name: str, raw: np.ndarray, threads: int | None = 1) -> tuple[np.ndarray, np.ndarray]:
     """Rows of ggml blocks, uint8 ``[..., row bytes]`` -> (values int8 ``[..., K]``, pairs float32
-    ``[..., 2 * K / G]``), as the module docstring says. ValueError for a type not in BLOCK_TYPES or
-    a row that is not whole blocks."""
+    ``[..., 2 * K / G]``), as the module docstring says, _CHUNK_BLOCKS at a time on ``threads``
+    threads (load_threads.each; numpy releases the GIL in its loops). ValueError for a type not in
+    BLOCK_TYPES or a row that is not whole blocks."""
     block = BLOCK_TYPES.get(type_name)
     if block is None:
         raise ValueError(f"ggml type {type_name} is not supported; supported: {', '.join(BLOCK_TYPES)}")
@@ -255,10 +258,13 @@ def convert_rows(type_name: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarra
     per_block = block.block_inputs // block.group
     values = np.empty((blocks.shape[0], block.block_inputs), np.int8)
     pairs = np.empty((blocks.shape[0], 2 * per_block), np.float32)
+
     # A corrupt fp16 field (Inf, NaN) gives a non-finite pair, which the caller reports, not numpy.
-    with np.errstate(invalid="ignore", over="ignore"):
-        for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
+    def convert(start: int) -> None:
+        with np.errstate(invalid="ignore", over="ignore"):  # numpy's error state is per thread
             part = np.ascontiguousarray(blocks[start : start + _CHUNK_BLOCKS])
             values[start : start + len(part)], pairs[start : start + len(part)] = block.convert(part)
+
+    load_threads.each(convert, range(0, blocks.shape[0], _CHUNK_BLOCKS), threads)
     k = row_bytes // block.block_bytes * block.block_inputs
     return values.reshape(*lead, k), pairs.reshape(*lead, 2 * k // block.group)

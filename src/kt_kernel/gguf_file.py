@@ -401,11 +401,11 @@ class GGUFLayerReader:
             )
         return tensor.data
 
-    def read(self, experts: int | range) -> dict[str, torch.Tensor]:
+    def read(self, experts: int | range, threads: int | None = None) -> dict[str, torch.Tensor]:
         """Experts 0..experts-1, or the range ``experts``, as the keyword arguments of
         load_weights_from_tensors: gate/up/down and (GGUF) gate_scale/up_scale/down_scale, and
         gate_bias/up_bias/down_bias (float32) where the layer has biases. Only those experts' bytes
-        are read."""
+        are read, their blocks decoded on ``threads`` threads (None: torch's)."""
         experts = range(experts) if isinstance(experts, int) else experts
         if experts.step != 1 or not 0 <= experts.start < experts.stop <= self.experts:
             raise CheckpointError(
@@ -417,7 +417,7 @@ class GGUFLayerReader:
             self.model.require_unchanged(tensor.file, tensor.name)
             try:
                 if self.held_format == GGUF_FORMAT:
-                    values, pairs = convert_rows(tensor.type_name, tensor.data[rows])
+                    values, pairs = convert_rows(tensor.type_name, tensor.data[rows], threads)
                     self._require_finite(tensor, pairs, experts.start)
                     result[f"{projection}_scale"] = torch.from_numpy(pairs)
                     result[projection] = torch.from_numpy(values)

@@ -127,7 +127,12 @@ class LayerWeights:
         """Experts of the layer from weight_path, LOAD_PARTS parts at a time: only a part's tensors
         exist besides the engines' packed copy. Where a part fails, the layer is left unloaded."""
         self.start(gpu_mask)
-        reader = checkpoint.LayerReader(weight_path, self.layer_idx, weight_format, (self.hidden, self.inter))
+        # The layer's worker threads read and decode its parts too: a load scales with them.
+        threads = sum(sp.threads for sp in self.subpools)
+        # Each part is packed before the next is read: the parts can share their memory.
+        reader = checkpoint.LayerReader(
+            weight_path, self.layer_idx, weight_format, (self.hidden, self.inter), threads, reuse_memory=True
+        )
         sources = int(slot_map.max()) + 1  # the experts of the layer the slots name
         per_part = max(1, sources // LOAD_PARTS)
         for first in range(0, sources, per_part):

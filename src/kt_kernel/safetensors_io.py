@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -224,12 +225,19 @@ def index_checkpoint(path: str | Path) -> dict[str, Path]:
 
 class TensorReader:
     """Reads tensors by name from an indexed checkpoint, keeping each file open once. Every file
-    is checked by read_safetensors_header before safetensors opens it."""
+    is checked by read_safetensors_header before safetensors opens it. Threads may read at once.
 
-    def __init__(self, files: dict[str, Path], stack: ExitStack) -> None:
+    ``headers``: the checked headers of files read before, shared with the caller (a load reads a
+    layer in parts, each through its own TensorReader: a header is parsed once per load, not per
+    part)."""
+
+    def __init__(
+        self, files: dict[str, Path], stack: ExitStack, headers: dict[Path, SafetensorsHeader] | None = None
+    ) -> None:
         self.files, self._stack = files, stack
-        self._headers: dict[Path, SafetensorsHeader] = {}
+        self._headers: dict[Path, SafetensorsHeader] = {} if headers is None else headers
         self._open: dict[Path, object] = {}
+        self._lock = threading.Lock()  # opening a file, checking its header: once, whichever thread asks
 
     def __contains__(self, key: str) -> bool:
         return key in self.files
@@ -247,7 +255,9 @@ class TensorReader:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint")
         file = self.files[key]
         if file not in self._headers:
-            self._headers[file] = read_safetensors_header(file)
+            with self._lock:
+                if file not in self._headers:
+                    self._headers[file] = read_safetensors_header(file)
         if key not in self._headers[file].tensors:
             raise CheckpointError(f"{file}: holds no tensor {key!r}, though the index names it there")
         return self._headers[file]
@@ -257,7 +267,9 @@ class TensorReader:
         file = self.files[key]
         try:
             if file not in self._open:
-                self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
+                with self._lock:
+                    if file not in self._open:
+                        self._open[file] = self._stack.enter_context(safe_open(file, framework="pt"))
             return action(self._open[file])
         except Exception as error:  # safetensors and torch raise assorted types for bad data
             raise CheckpointError(f"{file}: cannot read tensor {key!r} ({error})") from error

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import formats
+from . import formats, load_threads
 from .safetensors_io import CheckpointError, TensorReader, index_checkpoint, read_json
 
 PROJECTIONS = ("gate", "up", "down")
@@ -177,13 +177,14 @@ class ExpertSource:
         self.path, self.files = path, files
         self.naming, self.prefix, self.experts = self._detect(files)
         self.reader: TensorReader
+        self._headers: dict = {}  # the files' checked headers, kept from one opened() to the next
 
     @contextmanager
     def opened(self) -> Iterator[ExpertSource]:
         """Read inside this only. Files are memory-mapped while open and the pages read count in
         the process's RSS until they are closed: opening them per layer keeps that to one layer."""
         with ExitStack() as stack:
-            self.reader = TensorReader(self.files, stack)
+            self.reader = TensorReader(self.files, stack, self._headers)
             yield self
 
     def _detect(self, keys: Iterable[str]) -> tuple[Naming, str, dict[int, int]]:
@@ -538,21 +539,34 @@ def source_layer(
 
 
 def read_source_experts(
-    source: ExpertSource, described: MoELayer, experts: Experts
+    source: ExpertSource,
+    described: MoELayer,
+    experts: Experts,
+    threads: int | None = None,
+    buffers: load_threads.PartBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The experts' stored tensors, stacked (in ``buffers``' memory where given): the first expert's
+    shapes size them, the others are read into them on ``threads`` threads (load_threads.each)."""
     experts = expert_range(experts)
     if described.experts < experts.stop:
         raise CheckpointError(
             f"{source.path} layer {described.index} holds {described.experts} experts, not {experts.stop}"
         )
     result: dict[str, torch.Tensor] = {}
+
+    def named(stored: list[tuple[torch.Tensor, ...]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensors in zip(PROJECTIONS, stored, strict=True):
+            yield from zip((name, f"{name}_scale", f"{name}_zeros"), tensors, strict=False)
+
+    def read(index: int) -> None:
+        for out, tensor in named(source.read_stored(described, experts[index])):
+            result[out][index] = tensor
+
     with source.opened():
-        for index, expert in enumerate(experts):
-            for name, tensors in zip(PROJECTIONS, source.read_stored(described, expert), strict=True):
-                for out, tensor in zip((name, f"{name}_scale", f"{name}_zeros"), tensors, strict=False):
-                    if index == 0:
-                        result[out] = torch.empty((len(experts), *tensor.shape), dtype=tensor.dtype)
-                    result[out][index] = tensor
+        for out, tensor in named(source.read_stored(described, experts.start)):
+            result[out] = load_threads.empty(buffers, out, (len(experts), *tensor.shape), tensor.dtype)
+            result[out][0] = tensor
+        load_threads.each(read, range(1, len(experts)), threads)
     for name in PROJECTIONS:  # symmetric GPTQ: plain INT4, for the kernels without zero points
         if f"{name}_zeros" in result and not result[f"{name}_zeros"].any():
             del result[f"{name}_zeros"]

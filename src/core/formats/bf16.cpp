@@ -1,4 +1,5 @@
 // BF16: the weights themselves (kernels.h: pairs of inputs of the 16 rows side by side), no scales.
+#include <algorithm>
 #include <cstring>
 
 #include "formats.h"
@@ -11,16 +12,19 @@ size_t group_scale_bytes(int, int) { return 0; }
 
 void pack(const uint8_t* values, const uint8_t*, int rows, int k, int, uint8_t* packed, uint8_t*) {
   const bf16_t* weights = reinterpret_cast<const bf16_t*>(values);
-  const int k_pairs = round_up(k, 2) / 2;
+  const int whole_pairs = k / 2;
   for (int g = 0; g < packed_groups(rows); ++g) {
-    bf16_t* group = reinterpret_cast<bf16_t*>(packed + g * group_bytes(k));
-    std::memset(group, 0, group_bytes(k));
-    for (int r = 0; r < kGroupRows && g * kGroupRows + r < rows; ++r) {
+    uint8_t* group = packed + g * group_bytes(k);
+    const int real_rows = std::min(kGroupRows, rows - g * kGroupRows);
+    // Padding (rows past the end, an odd k's last input) is zero; whole groups need no clearing.
+    if (real_rows < kGroupRows || k % 2) std::memset(group, 0, group_bytes(k));
+    for (int r = 0; r < real_rows; ++r) {
       const bf16_t* row = weights + size_t(g * kGroupRows + r) * k;
-      for (int p = 0; p < k_pairs; ++p) {
-        group[(size_t(p) * kGroupRows + r) * 2] = row[2 * p];
-        if (2 * p + 1 < k) group[(size_t(p) * kGroupRows + r) * 2 + 1] = row[2 * p + 1];
-      }
+      // Pair p of the row (two bf16, four bytes) goes to slot r of the group's pair p.
+      for (int p = 0; p < whole_pairs; ++p)
+        std::memcpy(group + (size_t(p) * kGroupRows + r) * 2 * sizeof(bf16_t), row + 2 * p, 2 * sizeof(bf16_t));
+      if (k % 2)
+        std::memcpy(group + (size_t(whole_pairs) * kGroupRows + r) * 2 * sizeof(bf16_t), row + k - 1, sizeof(bf16_t));
     }
   }
 }

@@ -1,5 +1,6 @@
 // FP8: E4M3 codes with float scales per channel or per block of inputs (the scale groups of its entry
 // below; packed layout in kernels.h).
+#include <algorithm>
 #include <cstring>
 
 #include "formats.h"
@@ -12,26 +13,40 @@ size_t group_scale_bytes(int k, int scale_group) {
   return fp8_scale_bytes(k, scale_group) + fp8_small_code_words(k) * sizeof(uint64_t);
 }
 
+// Whether any byte of the word is zero (exact: the borrow can only start at a zero byte).
+inline bool has_zero_byte(uint64_t x) { return ((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) != 0; }
+
 void pack(const uint8_t* codes, const uint8_t* scale_bytes, int rows, int k, int scale_group, uint8_t* packed,
           uint8_t* packed_scales) {
   const float* scales = reinterpret_cast<const float*>(scale_bytes);
   const int per_row = scale_groups_per_row(k, scale_group);
+  const int pairs = ceil_div(k, 2), whole_pairs = k / 2;
   for (int g = 0; g < packed_groups(rows); ++g) {
     uint8_t* group = packed + g * group_bytes(k);
     float* group_scales = reinterpret_cast<float*>(packed_scales + g * group_scale_bytes(k, scale_group));
-    std::memset(group, 0, group_bytes(k));  // code 0 = +0
+    const int real_rows = std::min(kGroupRows, rows - g * kGroupRows);
+    if (real_rows < kGroupRows || k % 2) std::memset(group, 0, group_bytes(k));  // code 0 = +0
     for (int r = 0; r < kGroupRows; ++r) {
       const size_t row = size_t(g) * kGroupRows + r;
       for (int s = 0; s < per_row; ++s)
-        group_scales[s * kGroupRows + r] = row < size_t(rows) ? scales[row * per_row + s] : 0.0f;
-      if (row >= size_t(rows)) continue;
-      for (int c = 0; c < k; ++c) group[(c / 2) * 2 * kGroupRows + 2 * r + c % 2] = codes[row * k + c];
+        group_scales[s * kGroupRows + r] = r < real_rows ? scales[row * per_row + s] : 0.0f;
+      if (r >= real_rows) continue;
+      // Pair p of the row (two codes) goes to slot r of the group's pair p.
+      const uint8_t* src = codes + row * k;
+      for (int p = 0; p < whole_pairs; ++p) std::memcpy(group + size_t(p) * 2 * kGroupRows + 2 * r, src + 2 * p, 2);
+      if (k % 2) group[size_t(whole_pairs) * 2 * kGroupRows + 2 * r] = src[k - 1];
     }
+    // A pair's bit: some code of its 32 bytes has a zero exponent field (the kernels' slower decode).
     uint64_t* small_codes = reinterpret_cast<uint64_t*>(group_scales + per_row * kGroupRows);
     std::memset(small_codes, 0, fp8_small_code_words(k) * sizeof(uint64_t));
-    for (int p = 0; p < ceil_div(k, 2); ++p)
-      for (int b = 0; b < 2 * kGroupRows; ++b)
-        if ((group[p * 2 * kGroupRows + b] & 0x78) == 0) small_codes[p / 64] |= uint64_t(1) << (p % 64);
+    static_assert(2 * kGroupRows == 4 * sizeof(uint64_t));
+    for (int p = 0; p < pairs; ++p) {
+      uint64_t words[4];
+      std::memcpy(words, group + size_t(p) * 2 * kGroupRows, sizeof(words));
+      bool small = false;
+      for (uint64_t word : words) small |= has_zero_byte(word & 0x7878787878787878ull);
+      if (small) small_codes[p / 64] |= uint64_t(1) << (p % 64);
+    }
   }
 }
 

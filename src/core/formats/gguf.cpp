@@ -196,10 +196,10 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
         pack_int8_row(row, k, r, group);
         continue;
       }
-      for (int c = 0; c < k; ++c) {
-        uint8_t& byte = group[nibble_position(c, r)];
-        const int shift = nibble_shift(c);
-        byte = uint8_t((byte & ~(0xF << shift)) | index_of[uint8_t(row[c] + 128)] << shift);
+      for (int c = 0; c < k; c += 8) {  // inputs c..c+7: one row word, c..c+3 in its low nibbles (k: whole 32s)
+        uint8_t* word = group + nibble_position(c, r);
+        for (int i = 0; i < 4; ++i)
+          word[i] = uint8_t(index_of[uint8_t(row[c + i] + 128)] | index_of[uint8_t(row[c + 4 + i] + 128)] << 4);
       }
     }
   }

@@ -2,6 +2,8 @@
 // and GGUF's values, stored as q + 128) and the INT4 layout's nibbles (INT4's values, GGUF's indices).
 #pragma once
 
+#include <cstring>
+
 #include "kernels.h"
 
 KT_NAMESPACE_BEGIN
@@ -15,7 +17,15 @@ inline size_t nibble_position(int c, int r) { return size_t(c / 8) * 64 + 4 * r 
 inline int nibble_shift(int c) { return 4 * ((c % 8) / 4); }
 
 inline void pack_int8_row(const int8_t* q, int k, int r, uint8_t* group) {
-  for (int c = 0; c < k; ++c) group[int8_position(c, r)] = uint8_t(q[c] + kInt8Offset);
+  static_assert(kInt8Offset == 128, "q + 128 is q with its top bit flipped");
+  const int whole = k / 4 * 4;
+  for (int c = 0; c < whole; c += 4) {  // four inputs: one word of the row
+    uint32_t word;
+    std::memcpy(&word, q + c, sizeof(word));
+    word ^= 0x80808080u;
+    std::memcpy(group + int8_position(c, r), &word, sizeof(word));
+  }
+  for (int c = whole; c < k; ++c) group[int8_position(c, r)] = uint8_t(q[c] + kInt8Offset);
 }
 
 // Inputs [k0, k0 + cols) of row r of a group, as canonical int8 bytes.
