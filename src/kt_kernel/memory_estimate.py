@@ -260,9 +260,8 @@ def _size(count: int) -> str:
 
 def format_estimate(result: dict) -> str:
     """MemoryEstimate.as_dict() as text for a person: a line per type stored, then the totals."""
-    lines = [
-        f"routed experts of {result['path']} (method {result['method']}, {result['layers']} MoE layers):"
-    ]
+    layers = f"{result['layers']} MoE layer{'' if result['layers'] == 1 else 's'}"
+    lines = [f"routed experts of {result['path']} (method {result['method']}, {layers}):"]
     for entry in (*result["types"], {**result, "stored_as": "total", "held_as": ""}):
         held = ("" if entry["exact"] else "at most ") + _size(entry["held_bytes"])
         ratio = entry["held_bytes"] / entry["file_bytes"] if entry["file_bytes"] else 0.0
