@@ -11,7 +11,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kt-kernel", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="CPU flags, builds present, the build chosen and why")
-    info.add_argument("--json", action="store_true", help="print cpu_info() as JSON")
+    info.add_argument(
+        "--json", action="store_true", help="print cpu_info() (or the --memory estimate) as JSON"
+    )
+    info.add_argument(
+        "--memory",
+        metavar="PATH",
+        help="the memory a model's routed experts take, in files and held, from headers (docs/formats.md)",
+    )
+    info.add_argument("--method", help="with --memory: the method the model will be loaded with")
     bench = commands.add_parser("bench", help="time the standard MoE workload (see docs/performance.md)")
     from kt_kernel.bench import add_arguments
     from kt_kernel.formats import FORMATS
@@ -34,12 +42,29 @@ def main(argv: list[str] | None = None) -> int:
 
         return convert_main(args)
 
+    if args.memory is not None:
+        return memory_main(parser, args)
+    if args.method is not None:
+        parser.error("--method goes with --memory")
+
     import kt_kernel
     from kt_kernel.info import format_cpu_info
 
     if args.command == "info":
         details = kt_kernel.cpu_info()
         print(json.dumps(details, indent=2) if args.json else format_cpu_info(details))
+    return 0
+
+
+def memory_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``info --memory PATH``: the estimate, or a one-line error and exit status 2."""
+    from kt_kernel.memory_estimate import estimate, format_estimate
+
+    try:
+        result = estimate(args.memory, args.method).as_dict()
+    except (ValueError, NotImplementedError, ImportError) as error:  # CheckpointError is a ValueError
+        parser.exit(2, f"kt-kernel info: error: {error}\n")
+    print(json.dumps(result, indent=2) if args.json else format_estimate(result))
     return 0
 
 

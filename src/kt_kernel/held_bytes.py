@@ -1,0 +1,90 @@
+"""The bytes the engine holds a projection's experts in: one job, src/core's packed layouts as
+arithmetic, so that memory can be told before a load (``kt-kernel info --memory``).
+
+A projection of E experts, each a matrix of N rows (outputs) and K inputs, is held in groups of
+``ext.GROUP_ROWS`` rows (the last one padded with zero rows), each group its values then its
+scales (and zero points, sized as the scales): ``E * ceil(N / GROUP_ROWS) * (values + scales *
+(1 + zero points))``, what ``MoEEngine.packed_bytes()`` adds up. The per-group bytes of each format
+are ``group_bytes`` and ``_GROUP_BYTES``, transcribed from src/core/formats/*.cpp and kernels.h;
+tests/test_memory_estimate.py holds them to the engine's ``packed_bytes()`` for every format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._native import ext
+
+ROWS = ext.GROUP_ROWS
+FLOAT_BYTES = 4
+#: GGUF's factored scales: one fp32 factor per this many inputs of a row (kGgufBlockInputs).
+GGUF_FACTOR_INPUTS = 256
+#: GGUF's factored scales of a group are padded to whole lines of this many bytes.
+GGUF_SCALE_LINE = 64
+
+
+def _ceil_div(value: int, divisor: int) -> int:
+    return -(-value // divisor)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return _ceil_div(value, multiple) * multiple
+
+
+def _fp8_scales(k: int, group: int) -> int:
+    """Per group: a float per scale group (one per row: group 0) of each row, then the small-code
+    bitmap, a bit per input pair in whole 64-byte lines (fp8_scale_bytes, fp8_small_code_words)."""
+    per_row = k // group if group else 1
+    bitmap_words = _round_up(_ceil_div(_ceil_div(k, 2), 64), 8)
+    return per_row * ROWS * FLOAT_BYTES + bitmap_words * 8
+
+
+#: Per format, (value bytes, scale bytes) of one group of ROWS rows of k inputs with scale group g.
+_GROUP_BYTES: dict[str, Callable[[int, int], tuple[int, int]]] = {
+    "BF16": lambda k, g: (_round_up(k, 2) * ROWS * 2, 0),
+    "FP8": lambda k, g: (_round_up(k, 2) * ROWS, _fp8_scales(k, g)),
+    "INT8": lambda k, g: (_round_up(k, 4) * ROWS, ROWS * FLOAT_BYTES),
+    "INT4": lambda k, g: (k // 2 * ROWS, k // g * ROWS * FLOAT_BYTES),
+    "MXFP4": lambda k, g: (k // 32 * 4 * 64, k // 32 * ROWS),
+}
+
+
+@dataclass(frozen=True)
+class GgufLayout:
+    """How the engine holds a GGUF projection (HeldLayout, kernels.h): values as 4-bit indices into
+    16 levels or as bytes; scales as fp32 or factored (int8 multiples of an fp32 per 256 inputs);
+    the min entries left out where every min is 0. The engine chooses by the data at load."""
+
+    indexed: bool
+    factored: bool
+    mins: bool
+
+
+def gguf_group_bytes(k: int, group: int, layout: GgufLayout) -> tuple[int, int]:
+    """(value bytes, scale bytes) of one group of ROWS GGUF rows of k inputs, scale group ``group``."""
+    values = k // (2 if layout.indexed else 1) * ROWS
+    entries = (k // group) * (2 if layout.mins else 1) * ROWS
+    if not layout.factored:
+        return values, entries * FLOAT_BYTES
+    factors = _ceil_div(k, GGUF_FACTOR_INPUTS) * (2 if layout.mins else 1) * ROWS * FLOAT_BYTES
+    return values, _round_up(factors + entries, GGUF_SCALE_LINE)
+
+
+def projection_bytes(
+    format_name: str,
+    experts: int,
+    rows: int,
+    k: int,
+    group: int = 0,
+    zero_points: bool = False,
+    layout: GgufLayout | None = None,
+) -> int:
+    """The bytes ``packed_bytes()`` counts for one projection: ``experts`` matrices of ``rows`` x
+    ``k`` in format ``format_name`` (a name of formats.FORMATS), with ``group`` inputs per scale (0:
+    one per row), zero points or not, and for GGUF the layout the engine chose."""
+    if format_name == "GGUF":
+        values, scales = gguf_group_bytes(k, group, layout)
+    else:
+        values, scales = _GROUP_BYTES[format_name](k, group)
+    return experts * _ceil_div(rows, ROWS) * (values + scales * (1 + zero_points))
