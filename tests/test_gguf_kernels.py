@@ -10,6 +10,7 @@ import torch
 from test_accuracy import BOUND, activations, reference, relative_error, routing
 
 from kt_kernel import formats
+from kt_kernel.held_bytes import GgufLayout, projection_bytes
 
 from moe_reference import moe_wrapper
 
@@ -42,16 +43,8 @@ def gguf_tensor(
 
 
 def held_bytes(rows: int, k: int, group: int, indexed: bool, factored: bool, mins: bool) -> int:
-    """The bytes of one packed matrix as src/core/kernels.h lays GGUF out, per 16-row group: the
-    values (4-bit indices or bytes), then entries of 16 rows' scales (and mins): fp32 per scale
-    group, or factored: fp32 per 256 inputs and int8 per scale group, rounded up to 64 bytes."""
-    entries = 2 if mins else 1
-    values = 16 * k // (2 if indexed else 1)
-    if factored:
-        scales = -(-(-(-k // 256) * entries * 16 * 4 + k // group * entries * 16) // 64) * 64
-    else:
-        scales = k // group * entries * 16 * 4
-    return -(-rows // 16) * (values + scales)
+    """The bytes of one packed matrix in the layout given (kt_kernel.held_bytes, src/core/kernels.h)."""
+    return projection_bytes("GGUF", 1, rows, k, group, layout=GgufLayout(indexed, factored, mins))
 
 
 def decoded(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
