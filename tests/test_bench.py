@@ -193,23 +193,20 @@ def test_guard_refuses_options_it_cannot_honour(options, capsys):
 def test_formats_with_a_group_size(tmp_path):
     """fp8:16 (NVFP4's blocks), fp8:32 (MXFP8's), int4:32, gguf (Q4_K_M's mix) and gguf:q6_k run in
     both modes, the layer mode loading them in those groups; bytes per weight count their scales."""
-    from kt_kernel import bench
+    from kt_kernel.bench_common import weight_bytes
 
-    assert bench.weight_bytes("fp8:16") == 1 + 4 / 16 and bench.weight_bytes("int4:32") == 0.5 + 4 / 32
+    assert weight_bytes("fp8:16") == 1 + 4 / 16 and weight_bytes("int4:32") == 0.5 + 4 / 32
     q4_k, q6_k = 0.5 + 2 * (1 / 32 + 4 / 256), 1 + 1 / 16 + 4 / 256  # factored scales; Q6_K: no mins
-    assert bench.weight_bytes("gguf") == (2 * q4_k + q6_k) / 3  # Q4_K_M's mix
-    assert bench.weight_bytes("gguf:16") == 1 + 4 / 16
+    assert weight_bytes("gguf") == (2 * q4_k + q6_k) / 3  # Q4_K_M's mix
+    assert weight_bytes("gguf:16") == 1 + 4 / 16
     out = tmp_path / "bench.json"
     result = run_bench("--shape", "tiny", "--tokens", "1", "--calls", "3", "--no-torch", "--json", str(out),
                        "--format", "fp8:16", "fp8:32", "int4:32", "gguf", "gguf:q6_k")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [row["format"] for row in json.loads(out.read_text())["rows"]] == [
-        "fp8:16",
-        "fp8:32",
-        "int4:32",
-        "gguf",
-        "gguf:q6_k",
-    ]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["format"] for row in rows] == ["fp8:16", "fp8:32", "int4:32", "gguf", "gguf:q6_k"]
+    for row in rows:  # measured from packed_bytes(): the values and scales, and a little layout overhead
+        assert row["held_bytes_per_weight"] == pytest.approx(weight_bytes(row["format"]), rel=0.03)
     result = run_bench(
         "--model", "tiny", "--layers", "2", "--tokens", "1", "--calls", "3", "--format", "fp8:16"
     )
@@ -233,6 +230,7 @@ def test_gguf_rows_are_held_in_the_bytes_the_bench_counts(fmt):
     """The bench's GGUF weights, in both modes, are held as its figures assume (weight_bytes): Q4_K_M's
     scales factored and Q6_K's without mins, fp32 scales (8-bit per G), or as a ggml type is."""
     from kt_kernel import bench, bench_model
+    from kt_kernel.bench_common import weight_bytes
 
     from moe_reference import moe_wrapper
 
@@ -241,7 +239,7 @@ def test_gguf_rows_are_held_in_the_bytes_the_bench_counts(fmt):
     layer, model = (moe_wrapper(experts, top_k, hidden, inter, method="GGUF") for _ in range(2))
     bench.load_bench_weights(layer, fmt, *(torch.randn(experts, *shape) * 0.05 for shape in shapes))
     model.load_weights_from_tensors(**bench_model.canonical_weights("tiny", fmt, seed=0))
-    expected = bench.weight_bytes(fmt) * 3 * experts * hidden * inter
+    expected = weight_bytes(fmt) * 3 * experts * hidden * inter
     for moe in (layer, model):
         # rel: the tiny shape's 128-input rows are half a block of factored scales (a float per 256)
         assert sum(sp.engine.packed_bytes() for sp in moe._subpools) == pytest.approx(expected, rel=0.03)

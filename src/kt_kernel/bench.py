@@ -38,7 +38,6 @@ from .bench_common import (
     time_calls,
     usage_error,
     variant_runs,
-    weight_bytes,
 )
 from .gguf_blocks import BLOCK_TYPES
 
@@ -60,6 +59,7 @@ class Row:
     p10_ms: float
     p90_ms: float
     tokens_per_s: float
+    held_bytes_per_weight: float  # the engine's packed bytes over the layer's weights, scales included
     gbps: float
     tflops: float
     dram_gbps: float | None  # DRAM read bandwidth measured just before a decode row
@@ -207,6 +207,7 @@ def run_worker(args: argparse.Namespace) -> dict:
                 int8_activations=mode == "int8",
             )  # fmt: skip
             load_bench_weights(moe, fmt, gate, up, down)
+            held = sum(sp.engine.packed_bytes() for sp in moe._subpools) / (experts * 3 * hidden * inter)
             for tokens in args.tokens:
                 progress(step, steps, f"{label} {shape} {fmt} ({mode} activations) T={tokens}")
                 step += 1
@@ -220,14 +221,14 @@ def run_worker(args: argparse.Namespace) -> dict:
                 touched = statistics.mean(int(ids.unique().numel()) for _, ids, _ in inputs)
                 median = statistics.median(times)
                 deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [median] * 9
-                gbps = touched * 3 * hidden * inter * weight_bytes(fmt) / median / 1e9
+                gbps = touched * 3 * hidden * inter * held / median / 1e9
                 tflops = 2 * 3 * hidden * inter * tokens * top_k / median / 1e12
                 shape_rows.append(
                     Row(
                         variant=label, shape=shape, format=fmt, activations=mode, tokens=tokens,
                         calls=len(times),
                         median_ms=median * 1e3, p10_ms=deciles[0] * 1e3, p90_ms=deciles[-1] * 1e3,
-                        tokens_per_s=tokens / median, gbps=gbps, tflops=tflops,
+                        tokens_per_s=tokens / median, held_bytes_per_weight=held, gbps=gbps, tflops=tflops,
                         dram_gbps=row_dram, pct_of_bandwidth=100 * gbps / row_dram if decode else None,
                         pct_of_peak=None if decode else 100 * tflops * 1e3 / peak[peak_ops[fmt]],
                         peak_op=peak_ops[fmt], torch_median_ms=None, speedup_vs_torch=None,
@@ -267,8 +268,8 @@ def format_table(result: dict) -> str:
         lines.append(f"  {w['variant']:<12} DRAM read {w['dram_gbps']:.1f} GB/s; peak {peaks}")
     header = (
         f"{'build':<12} {'shape':<10} {'format':<9} {'T':>4} {'median ms':>10} {'p10-p90 ms':>15} "
-        f"{'tok/s':>9} {'GB/s':>6} {'DRAM':>5} {'%BW':>5} {'TFLOP/s':>8} {'%peak':>6} {'torch ms':>9} "
-        f"{'speedup':>7}"
+        f"{'tok/s':>9} {'B/w':>5} {'GB/s':>6} {'DRAM':>5} {'%BW':>5} {'TFLOP/s':>8} {'%peak':>6} "
+        f"{'torch ms':>9} {'speedup':>7}"
     )
     lines += ["", header, "-" * len(header)]
 
@@ -277,12 +278,15 @@ def format_table(result: dict) -> str:
             f"{r['variant']:<12} {r['shape']:<10} "
             f"{r['format'] + ('-i8act' if r['activations'] == 'int8' else ''):<9} "
             f"{r['tokens']:>4} {r['median_ms']:>10.2f} "
-            f"{r['p10_ms']:>7.2f}-{r['p90_ms']:<7.2f} {r['tokens_per_s']:>9.1f} {r['gbps']:>6.1f} "
+            f"{r['p10_ms']:>7.2f}-{r['p90_ms']:<7.2f} {r['tokens_per_s']:>9.1f} "
+            f"{r['held_bytes_per_weight']:>5.3f} {r['gbps']:>6.1f} "
             f"{opt(r['dram_gbps'], '5.1f'):>5} {opt(r['pct_of_bandwidth'], '5.0f'):>5} {r['tflops']:>8.3f} "
             f"{opt(r['pct_of_peak'], '6.0f'):>6} "
             f"{opt(r['torch_median_ms'], '9.2f'):>9} {opt(r['speedup_vs_torch'], '6.2f'):>6}x"
         )
     lines.append(
+        "\nB/w: bytes the engine holds per weight, scales included (packed_bytes() over the weights). "
+        "GB/s: the distinct experts' held bytes / latency."
         "\n%BW (T <= 8): effective bandwidth (distinct expert weights touched / latency) vs DRAM, the read "
         "bandwidth measured just before the row.\n%peak (T >= 64): vs the measured peak of the instruction "
         "the kernel uses (vdpbf16ps, vpdpbusd, or fp32 FMA where it uses neither; on AMX hardware, AMX-BF16 "
