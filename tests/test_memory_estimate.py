@@ -201,3 +201,22 @@ def test_a_directory_without_experts_is_refused(tmp_path, capsys):
         main(["info", "--memory", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "no routed-expert tensors" in capsys.readouterr().err
+
+
+def test_a_gguf_whose_scales_do_not_factor_stays_within_what_is_told(tmp_path):
+    """A Q6_K block of scale -0 and scales of both signs: its entries are +0 and -0, which no one
+    factor gives, so the engine holds that projection with fp32 scales, though Q6_K's scales are
+    int8 multiples of one fp16 by construction. The bound must count that layout."""
+    rng = np.random.default_rng(0)
+    projections = {
+        name: ("Q6_K", realistic_blocks("Q6_K", EXPERTS * 256, 256, rng).reshape(EXPERTS, 256, -1))
+        for name in NAMES
+    }
+    block = projections["down"][1][0, 0, :210]  # ql 128, qh 64, int8 scales 16, fp16 d
+    block[192:208] = np.array([1, -1] * 8, np.int8).view(np.uint8)
+    block[208:210] = np.array([-0.0], np.float16).view(np.uint8)
+    path = tmp_path / "model.gguf"
+    write_layer(path, projections, experts=EXPERTS, hidden=256, inter=256)
+    result = estimate(path).as_dict()
+    actual = packed_bytes(path, "GGUF", 256, 256)
+    assert not result["exact"] and actual <= result["held_bytes"]

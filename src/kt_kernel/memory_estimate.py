@@ -101,17 +101,17 @@ def estimate(path: str | Path, method: str | None = None) -> MemoryEstimate:
 def gguf_bound(block: BlockType, experts: int, rows: int, k: int) -> tuple[int, bool]:
     """The most bytes the engine holds a GGUF projection of ggml type ``block`` in, and whether
     that is exact: 4-bit indices where the type's values are 16 levels (else bytes, though the data
-    may fit 16), mins where the type has them (they may all be 0), scales factored where the type's
-    are (else whichever of the two layouts is larger)."""
+    may fit 16), mins where the type has them (they may all be 0), and the larger of the two scale
+    layouts: even a type whose scales factor by construction is held with fp32 scales where a
+    block's do not (a fp16 scale of Inf or NaN, say)."""
     indexed = block.held_bits == 4
-    factored = [True] if block.factored else [False, True]
     held = max(
         projection_bytes(
-            GGUF_FORMAT, experts, rows, k, block.group, layout=GgufLayout(indexed, f, block.mins)
+            GGUF_FORMAT, experts, rows, k, block.group, layout=GgufLayout(indexed, factored, block.mins)
         )
-        for f in factored
+        for factored in (False, True)
     )
-    return held, indexed and not block.mins and len(factored) == 1
+    return held, False
 
 
 def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstimate:
