@@ -88,3 +88,12 @@ def projection_bytes(
     else:
         values, scales = _GROUP_BYTES[format_name](k, group)
     return experts * _ceil_div(rows, ROWS) * (values + scales * (1 + zero_points))
+
+
+def gguf_most_bytes(experts: int, rows: int, k: int, group: int, indexed: bool, mins: bool) -> int:
+    """The larger of a GGUF projection's two scale layouts (fp32 or factored): the engine factors
+    where every block's scales allow, which the headers cannot tell."""
+    return max(
+        projection_bytes("GGUF", experts, rows, k, group, layout=GgufLayout(indexed, factored, mins))
+        for factored in (False, True)
+    )

@@ -25,7 +25,7 @@ from . import formats
 from .checkpoint import read_manifest
 from .gguf_blocks import BLOCK_TYPES, BlockType
 from .gguf_file import FLOAT_FORMAT, FLOAT_TYPES, GGUF_FORMAT, PROJECTIONS, GGUFModel, is_gguf_checkpoint
-from .held_bytes import GgufLayout, projection_bytes
+from .held_bytes import gguf_most_bytes, projection_bytes
 from .safetensors_io import DTYPE_BITS, CheckpointError, index_checkpoint, read_safetensors_header
 from .sources import ExpertSource, MoELayer, require_source_format, stored_format
 
@@ -98,20 +98,13 @@ def estimate(path: str | Path, method: str | None = None) -> MemoryEstimate:
     return _source_estimate(path, fmt)
 
 
-def gguf_bound(block: BlockType, experts: int, rows: int, k: int) -> tuple[int, bool]:
-    """The most bytes the engine holds a GGUF projection of ggml type ``block`` in, and whether
-    that is exact: 4-bit indices where the type's values are 16 levels (else bytes, though the data
+def gguf_bound(block: BlockType, experts: int, rows: int, k: int) -> int:
+    """The most bytes the engine holds a GGUF projection of ggml type ``block`` in (never exact):
+    4-bit indices where the type's values are 16 levels (else bytes, though the data
     may fit 16), mins where the type has them (they may all be 0), and the larger of the two scale
     layouts: even a type whose scales factor by construction is held with fp32 scales where a
     block's do not (a fp16 scale of Inf or NaN, say)."""
-    indexed = block.held_bits == 4
-    held = max(
-        projection_bytes(
-            GGUF_FORMAT, experts, rows, k, block.group, layout=GgufLayout(indexed, factored, block.mins)
-        )
-        for factored in (False, True)
-    )
-    return held, False
+    return gguf_most_bytes(experts, rows, k, block.group, block.held_bits == 4, block.mins)
 
 
 def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstimate:
@@ -128,7 +121,7 @@ def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstima
         if type_name in FLOAT_TYPES:
             held, exact, held_as = projection_bytes(FLOAT_FORMAT, experts, rows, k), True, FLOAT_FORMAT
         elif type_name in BLOCK_TYPES and fmt is not formats.BF16:
-            (held, exact), held_as = gguf_bound(BLOCK_TYPES[type_name], experts, rows, k), GGUF_FORMAT
+            held, exact, held_as = gguf_bound(BLOCK_TYPES[type_name], experts, rows, k), False, GGUF_FORMAT
         else:
             raise CheckpointError(
                 f"{file}: tensor {name!r} is {type_name}, which method {result.method} does not read"
@@ -166,11 +159,8 @@ def _converted_estimate(path: Path, manifest: dict, fmt: formats.WeightFormat | 
                 if per_row <= 1 and 0 in held_as.scale_groups
                 else held_as.scales_per_group * k // max(per_row, 1)
             )
-            if held_as is formats.GGUF:  # the ggml type is gone: any layout of int8 values
-                layouts = [GgufLayout(False, f, True) for f in (False, True)]
-                held = max(
-                    projection_bytes(held_as.name, experts, rows, k, group, layout=lay) for lay in layouts
-                )
+            if held_as is formats.GGUF:  # the ggml type is gone: int8 values with scales and mins
+                held = gguf_most_bytes(experts, rows, k, group, indexed=False, mins=True)
             else:
                 held = projection_bytes(held_as.name, experts, rows, k, group)
             files = _bytes_of(weight) + (_bytes_of(scale) if scale else 0)
@@ -232,8 +222,7 @@ def _source_projections(
 def _source_group(source: ExpertSource, key: str, rows: int, k: int) -> tuple[int, bool]:
     """(inputs per scale, zero points) of the weight ``key`` as loaded from its headers, as
     sources.ExpertSource and formats.FP8.stored take it: GPTQ's zero points counted (exact False)."""
-    if source._int4_layout(key):
-        layout = source._int4_layout(key)
+    if layout := source._int4_layout(key):
         shape = source.reader.header(source._int4_scale_key(key))[1]
         return k // (shape[1] if layout == "packed" else shape[0]), layout == "gptq"
     dtype, _ = source._checked_header(key)
