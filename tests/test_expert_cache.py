@@ -123,11 +123,12 @@ def test_a_mapped_engine_computes_what_the_packed_one_does(tmp_path, variant, me
     if biases is not None:
         out = torch.empty(E, I)
         assert view.biases("up", out) and torch.equal(out, biases[1])
-    # A later part of a load (an expert handed back) copies the mapped weights first.
+    # A later part of a load (an expert handed back) copies the mapped weights first: slot 1 now
+    # holds source 0.
     one = [None if t is None else t[:1].contiguous() for t in sliced]
     zeros_of_one = {n: z[:1].contiguous() for n, z in zero_points.items()}
     for engine in (view, packed):
-        engine.load(*one, torch.tensor([-1, -1, -1, 0, -1, -1]), **zeros_of_one)
+        engine.load(*one, torch.tensor([-1, 0, -1, -1, -1, -1]), **zeros_of_one)
     assert not view.mapped
     assert torch.equal(run(view, 9, 3), run(packed, 9, 3))
 
@@ -138,6 +139,14 @@ def corrupt(path: Path, offset: int, value: bytes) -> None:
         f.write(value)
 
 
+def flip(path: Path, offset: int, count: int = 2) -> None:
+    """Every bit of ``count`` bytes at ``offset`` inverted: certainly other bytes."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        old = f.read(count)
+    corrupt(path, offset, bytes(b ^ 0xFF for b in old))
+
+
 @pytest.mark.parametrize(
     "damage,reason",
     [
@@ -145,8 +154,8 @@ def corrupt(path: Path, offset: int, value: bytes) -> None:
         (lambda p: os.truncate(p, 100), "shorter than a header"),
         (lambda p: corrupt(p, 0, b"XX"), "magic"),
         (lambda p: corrupt(p, 8, (99).to_bytes(4, "little")), "layout version 99"),
-        (lambda p: corrupt(p, 100, b"\xff"), "header checksum mismatch"),
-        (lambda p: corrupt(p, 3 * 4096 + 10, b"\x5a\xa5"), "content checksum mismatch"),
+        (lambda p: flip(p, 100, 1), "header checksum mismatch"),
+        (lambda p: flip(p, 3 * 4096 + 10), "content checksum mismatch"),
     ],
     ids=["truncated", "short", "magic", "version", "header", "content"],
 )
@@ -390,7 +399,7 @@ def test_weights_changed_on_disk_are_found_on_request(model, tmp_path, monkeypat
     cache = tmp_path / "cache"
     key_wrapper(model, cache).load_weights()
     (file,) = packed_files(cache)
-    corrupt(file, 2 * 4096 + 3, b"\x11\x22")
+    flip(file, 2 * 4096 + 3)
     key_wrapper(model, cache).load_weights()  # mapped: only the header is checked by default
     monkeypatch.setenv(expert_cache.VERIFY_ENV, "1")
     moe = key_wrapper(model, cache)
@@ -510,9 +519,9 @@ def test_a_read_only_directory_falls_back_and_maps_what_it_holds(model):
 FILL = """
 import json, sys, warnings
 sys.path.insert(0, "tests")
-warnings.simplefilter("error")
 import torch
 from moe_reference import make_problem, moe_wrapper
+warnings.simplefilter("error")  # a launch that packs again or falls back fails
 p = make_problem(8, 2, 128, 64, 9)
 result = []
 for layer in (0, 1):

@@ -19,7 +19,7 @@ from conftest import REPO
 E, H, I = 16, 1024, 512  # BF16: 48 MiB packed
 
 HOLD = """
-import json, sys
+import json, sys, time
 sys.path.insert(0, "tests")
 from moe_reference import moe_wrapper
 
@@ -27,11 +27,12 @@ def status(field):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field)) * 1024
 
 moe = moe_wrapper(16, 2, 1024, 512, weight_path=sys.argv[1], mmap_experts_dir=sys.argv[2] or None)
-before = status("RssAnon:")
+before, start = status("RssAnon:"), time.perf_counter()
 moe.load_weights()
+seconds = time.perf_counter() - start
 engines = [sp.engine for sp in moe._subpools]
 print(json.dumps({"anon": status("RssAnon:") - before, "packed": sum(e.packed_bytes() for e in engines),
-                  "mapped": all(e.mapped for e in engines)}), flush=True)
+                  "mapped": all(e.mapped for e in engines), "seconds": seconds}), flush=True)
 sys.stdin.readline()  # the mapping is held until the test has read /proc
 """
 
@@ -98,7 +99,8 @@ def test_mapped_layers_are_shared_file_pages(model, tmp_path):
         shares = [(p["Rss"] >> 20, p["Pss"] >> 20) for p in pages]
         print(f"\npacked {one['packed'] >> 20} MiB: anonymous RSS added by a packing load "
               f"{packed['anon'] >> 20} MiB, by mapped loads {one['anon'] >> 10} / {two['anon'] >> 10} KiB; "
-              f"file Rss/Pss per process {shares} MiB")  # fmt: skip
+              f"file Rss/Pss per process {shares} MiB; load {packed['seconds']:.3f} s packing and writing, "
+              f"{one['seconds']:.3f} / {two['seconds']:.3f} s mapped")  # fmt: skip
     finally:
         finish(first)
         finish(second)
