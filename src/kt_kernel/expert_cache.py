@@ -167,18 +167,23 @@ def layer_key(weights: Any, weight_path: str, method: str, slots: torch.Tensor) 
     }
 
 
+def _open_lock(path: Path) -> int | None:
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return os.open(path, flags | os.O_CLOEXEC, 0o644)
+        except OSError:
+            continue
+    return None
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive flock on ``path`` (made if missing); without one where it cannot be opened (a
     read-only directory: nothing is written there, so nothing needs one)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            yield
-            return
+    fd = _open_lock(path)
+    if fd is None:
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
