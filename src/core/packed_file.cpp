@@ -208,7 +208,7 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
   const std::string what = std::string(names[p]) + ": ";
   const auto [rows, k] = dims_of(shape, p);
   if (e.rows != rows || e.k != k) return what + "another shape";
-  bool group_ok = false;
+  bool group_ok = !format.has_scales() && e.scale_group == 0;
   for (int group : format.allowed_scale_groups()) group_ok = group_ok || group == e.scale_group;
   if (!group_ok || (e.scale_group > 0 && k % e.scale_group != 0)) return what + "a scale group the format lacks";
   if (e.has_zeros != 0 && (e.has_zeros != 1 || !format.has_zero_points())) return what + "zero points the format lacks";
