@@ -234,8 +234,8 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
 
 }  // namespace
 
-void write_packed_file(const std::string& path, const ExpertWeights& w, const MoEShape& shape, const FormatTraits& format,
-                 const std::string& meta) {
+void write_packed_file(const std::string& path, const ExpertWeights& w, const MoEShape& shape,
+                       const FormatTraits& format, const std::string& meta) {
   const int E = shape.num_experts;
   FileHeader h;
   std::memset(&h, 0, sizeof(h));  // padding too: the header checksum covers every byte
@@ -296,8 +296,8 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
   file.finish(h.file_bytes);
 }
 
-std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoEShape& shape, const FormatTraits& format,
-                       bool verify_content, std::string* meta) {
+std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoEShape& shape,
+                            const FormatTraits& format, bool verify_content, std::string* meta) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return std::string("cannot open it (") + std::strerror(errno) + ")";
   struct stat status;

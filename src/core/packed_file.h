@@ -27,7 +27,7 @@ constexpr uint32_t kPackedFileVersion = 1;
 // not exist yet), synced to disk. std::system_error naming the path where a write fails (a full or
 // read-only disk); the partial file is removed first.
 void write_packed_file(const std::string& path, const ExpertWeights& w, const MoEShape& shape,
-                 const FormatTraits& format, const std::string& meta);
+                       const FormatTraits& format, const std::string& meta);
 
 // Maps the file `path` read-only and views its projections in `w` (kept mapped while viewed), with
 // its packed mask and biases; returns "" and sets *meta to the bytes write_packed_file was given. Otherwise
@@ -35,7 +35,7 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
 // magic, version, build, format or shape, a header checksum that disagrees, sizes that are not the
 // format's layout, experts missing that the engine computes (`w.skip`), and with verify_content the
 // checksum of the weights (a read of the whole file).
-std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoEShape& shape, const FormatTraits& format,
-                       bool verify_content, std::string* meta);
+std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoEShape& shape,
+                            const FormatTraits& format, bool verify_content, std::string* meta);
 
 KT_NAMESPACE_END
