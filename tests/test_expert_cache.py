@@ -565,3 +565,39 @@ def test_stale_temporary_files_are_removed(model, tmp_path):
     stale.write_bytes(b"half")
     key_wrapper(model, cache).load_weights()
     assert not stale.exists()
+
+
+# ---- filled ahead of a launch: python -m kt_kernel cache ----------------------------------------
+
+
+def fill_command(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")}
+    return subprocess.run([sys.executable, "-m", "kt_kernel", "cache", *args], capture_output=True, text=True,
+                          cwd=REPO, env=env, check=False)  # fmt: skip
+
+
+def test_the_cache_command_fills_what_a_launch_then_maps(model, tmp_path):
+    cache = tmp_path / "cache"
+    result = fill_command(str(model), "--dir", str(cache), "--threads", "2", "--threadpool-count", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 layers written, 0 already there" in result.stdout
+    assert len(packed_files(cache)) == 4  # two layers, two subpools each
+    for layer in (0, 1):
+        launch = key_wrapper(model, cache, layer_idx=layer, threadpool_count=2)
+        launch.load_weights()
+        assert mapped(launch)
+        plain = key_wrapper(model, None, layer_idx=layer, threadpool_count=2)
+        plain.load_weights()
+        assert torch.equal(forward(launch, EK, HK, 5), forward(plain, EK, HK, 5))
+    again = fill_command(str(model), "--dir", str(cache), "--threads", "2", "--threadpool-count", "2")
+    assert "0 layers written, 2 already there" in again.stdout, again.stderr[-3000:]
+    one = fill_command(str(model), "--dir", str(tmp_path / "one"), "--layers", "1", "--threads", "1")
+    assert "1 layers written" in one.stdout, one.stderr[-3000:]
+    assert [f.name.startswith("layer0001") for f in packed_files(tmp_path / "one")] == [True]
+
+
+def test_the_cache_command_names_what_it_cannot_fill(model, tmp_path):
+    result = fill_command(str(model), "--dir", str(tmp_path / "cache"), "--layers", "5-7")
+    assert result.returncode != 0 and "none of the layers asked for holds routed experts" in result.stderr
+    result = fill_command(str(tmp_path / "nothing"), "--dir", str(tmp_path / "cache"))
+    assert result.returncode != 0 and "neither a .gguf file nor a model directory" in result.stderr
