@@ -21,6 +21,7 @@ namespace {
 constexpr char kBuild[] = KT_STRINGIFY(KT_VARIANT_NS);  // build_avx2, build_amx_emulated, ...
 constexpr char kMagic[8] = {'K', 'T', 'P', 'A', 'C', 'K', 'E', 'D'};
 constexpr uint64_t kPage = 4096;
+constexpr uint64_t kHugePage = uint64_t(2) << 20;
 constexpr uint64_t kMaxMetaBytes = 1 << 20;
 
 struct Section {
@@ -68,9 +69,11 @@ uint64_t checksum(const uint8_t* data, size_t bytes, uint64_t seed) {
   return h ^ (h >> 29);
 }
 
-uint64_t page_up(uint64_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+uint64_t page_up(uint64_t bytes, uint64_t page = kPage) { return (bytes + page - 1) / page * page; }
 
-// The bytes of each part of a file, and where the parts go: every section at a page boundary.
+// The bytes of each part of a file, and where the parts go: every section at a page boundary, one
+// of 2 MiB or more at a 2 MiB boundary (the gaps are holes: no disk, no memory), so that written in
+// one piece it can be held by 2 MiB folios and mapped by 2 MiB entries (map_on_huge_page_boundary).
 struct Sizes {
   uint64_t values[3], scales[3], zeros[3], biases[3], packed, meta;
 };
@@ -83,7 +86,7 @@ Plan plan(const Sizes& s) {
   Plan p{};
   uint64_t at = sizeof(FileHeader);
   auto place = [&at](Section& section, uint64_t bytes, bool page) {
-    if (page) at = page_up(at);
+    if (page) at = page_up(at, bytes >= kHugePage ? kHugePage : kPage);
     section = {at, bytes};
     at += bytes;
   };
@@ -181,6 +184,31 @@ class NewFile {
   std::string path_;
   int fd_ = -1;
 };
+
+// The file mapped read-only at a 2 MiB boundary, so that file offsets and addresses agree modulo
+// 2 MiB: where the page cache holds the file in 2 MiB folios (large folios: Linux 6.x on ext4, xfs,
+// tmpfs), the kernel can map each by one page-table entry, as the packed weights' huge pages are.
+// MADV_HUGEPAGE asks it to read such folios from disk (best effort: older kernels ignore it).
+void* map_on_huge_page_boundary(int fd, size_t bytes) {
+  constexpr size_t kHuge = kHugePage;
+  void* room = ::mmap(nullptr, bytes + kHuge, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (room == MAP_FAILED) return MAP_FAILED;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(room);
+  const uintptr_t aligned = (start + kHuge - 1) & ~uintptr_t(kHuge - 1);
+  void* base = ::mmap(reinterpret_cast<void*>(aligned), bytes, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+  const int error = errno;
+  if (base == MAP_FAILED) {
+    ::munmap(room, bytes + kHuge);
+    errno = error;
+    return MAP_FAILED;
+  }
+  // The room around the file's mapping is given back.
+  if (aligned > start) ::munmap(room, aligned - start);
+  const uintptr_t end = aligned + page_up(bytes), room_end = start + bytes + kHuge;
+  if (room_end > end) ::munmap(reinterpret_cast<void*>(end), room_end - end);
+  ::madvise(base, bytes, MADV_HUGEPAGE);
+  return base;
+}
 
 // The file's pages, unmapped when the last view of them goes.
 struct Mapping {
@@ -283,8 +311,13 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
       const Section section = part_of(h.projections[p], part);
       const uint64_t bytes = slot_bytes(h.projections[p], part);
       if (section.bytes == 0) continue;
-      for (int slot = 0; slot < E; ++slot)  // slots not packed stay holes (zeros)
-        if (w.packed[slot]) file.write(parts[p][part] + slot * bytes, bytes, section.offset + slot * bytes);
+      for (int slot = 0; slot < E;) {  // each run of packed slots in one write; the others stay holes
+        int end = slot;
+        while (end < E && w.packed[end]) ++end;
+        const uint64_t at = slot * bytes;
+        if (end > slot) file.write(parts[p][part] + at, (end - slot) * bytes, section.offset + at);
+        slot = end + 1;
+      }
     }
     if (h.biases[p].bytes > 0) file.write(bias_data[p], h.biases[p].bytes, h.biases[p].offset);
   }
@@ -310,7 +343,7 @@ std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoE
     ::close(fd);
     return std::to_string(size) + " bytes, shorter than a header";
   }
-  void* base = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  void* base = map_on_huge_page_boundary(fd, size);
   const int map_error = errno;
   ::close(fd);
   if (base == MAP_FAILED) return std::string("cannot map it (") + std::strerror(map_error) + ")";

@@ -3,10 +3,10 @@
 // fall back to packing: kt_kernel.expert_cache; docs/expert-cache.md).
 //
 // The file: a header page (FileHeader, the packed mask, the caller's meta bytes), then every
-// projection's values, scales and zero points and the biases, each at a 4096-byte boundary, as the
-// kernels read them (PackedProjection), the file padded to whole pages. Experts not packed (GPU
-// experts left out of CPU memory) are holes that read as zeros. Native byte order: a file is read
-// only by the build that wrote it (the header names the build).
+// projection's values, scales and zero points and the biases, each at a 4096-byte boundary (2 MiB
+// for those of 2 MiB or more), as the kernels read them (PackedProjection), the file padded to whole
+// pages. Experts not packed (GPU experts left out of CPU memory) are holes that read as zeros.
+// Native byte order: a file is read only by the build that wrote it (the header names the build).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +21,7 @@ KT_NAMESPACE_BEGIN
 
 // Bump whenever a format's packed layout (kernels.h) or this file's layout changes: files of other
 // versions are refused and packed again.
-constexpr uint32_t kPackedFileVersion = 1;
+constexpr uint32_t kPackedFileVersion = 2;  // 2: sections of 2 MiB or more at 2 MiB boundaries
 
 // Writes `w` (loaded, in the engine's `shape` and `format`) and `meta` to a new file `path` (it must
 // not exist yet), synced to disk. std::system_error naming the path where a write fails (a full or

@@ -203,7 +203,9 @@ engines = [sp.engine for sp in moe._subpools]
 figures = {"seconds": seconds, "held_bytes": sum(e.packed_bytes() for e in engines),
            "mapped": all(e.mapped for e in engines), "anon_kib": kib("RssAnon") - before["RssAnon"],
            "peak_kib": kib("VmHWM") - before["VmRSS"], "user_s": after.ru_utime - cpu.ru_utime,
-           "sys_s": after.ru_stime - cpu.ru_stime, "forward_ms": {}, "digests": {}}
+           "sys_s": after.ru_stime - cpu.ru_stime, "forward_ms": {}, "digests": {},
+           "anon_huge_kib": next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
+                                 if line.startswith("AnonHugePages:"))}
 g = torch.Generator().manual_seed(1)
 for t in tokens:
     x = torch.randn(t, hidden, generator=g).bfloat16()
@@ -255,10 +257,11 @@ def time_load(path: Path, method: str, sizes: tuple[int, int, int], threads: int
 
 
 def cache_file_pages(pid: int) -> dict[str, int]:
-    """Rss and Pss (KiB) of process ``pid``'s mappings of the cache's files."""
+    """Rss, Pss and what of it is mapped by 2 MiB entries (KiB) of process ``pid``'s mappings of the
+    cache's files."""
     from .expert_cache import SUFFIX
 
-    totals, inside = {"Rss": 0, "Pss": 0}, False
+    totals, inside = {"Rss": 0, "Pss": 0, "FilePmdMapped": 0}, False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             fields = line.split()
@@ -307,6 +310,9 @@ def _row(fmt: str, threads: int, mode: str, size: int, read_s: float, got: list[
     if "cache_kib" in got[0]:
         row["cache_pss_mib"] = statistics.median(s["cache_kib"]["Pss"] for s in got) / 1024
         row["cache_rss_mib"] = statistics.median(s["cache_kib"]["Rss"] for s in got) / 1024
+        row["huge_mib"] = statistics.median(s["cache_kib"]["FilePmdMapped"] for s in got) / 1024
+    else:
+        row["huge_mib"] = statistics.median(s["anon_huge_kib"] for s in got) / 1024
     return row
 
 
@@ -356,13 +362,15 @@ COLUMNS = (
     ("file MiB", "file_mib", 9, ".1f"), ("load s", "load_s", 7, ".3f"), ("GB/s of file", "gbps", 12, ".2f"),
     ("read s", "read_s", 7, ".3f"), ("load/read", "load_per_read", 9, ".2f"),
     ("held/file", "held_per_file", 9, ".2f"), ("anon MiB", "anon_mib", 8, ".1f"),
-    ("peak MiB", "peak_mib", 8, ".1f"), ("user s", "user_s", 7, ".2f"), ("sys s", "sys_s", 6, ".2f"),
+    ("huge MiB", "huge_mib", 8, ".0f"), ("peak MiB", "peak_mib", 8, ".1f"), ("user s", "user_s", 7, ".2f"),
+    ("sys s", "sys_s", 6, ".2f"),
 )  # fmt: skip
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows under COLUMNS' headings, then the cache's pages and forward times where measured.
-    read s: a raw read of what the mode loads from (the checkpoint; mapped: the cache's file). sys s:
+    read s: a raw read of what the mode loads from (the checkpoint; mapped: the cache's file). huge
+    MiB: of the layer, what is on 2 MiB pages (anonymous ones; mapped: the cache's file pages). sys s:
     the kernel's time in the load, mostly first touches of the packed layer's fresh memory (on a
     virtual machine, memory the host has not backed yet is slow)."""
     tokens = list(rows[0]["forward_ms"]) if rows else []

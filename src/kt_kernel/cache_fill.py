@@ -90,12 +90,14 @@ def fill(
         )  # fmt: skip
         try:
             moe.load_weights()
+            seconds = time.perf_counter() - start
             present = all(sp.engine.mapped for sp in moe._subpools)
+            held = sum(sp.engine.packed_bytes() for sp in moe._subpools)
         finally:
             moe.close()
         counts["present" if present else "written"] += 1
-        what = "already cached" if present else "packed and written"
-        report(f"layer {index}: {experts} experts {what} in {time.perf_counter() - start:.1f} s")
+        what = "mapped from the cache" if present else "packed and written"
+        report(f"layer {index}: {experts} experts, {held / 2**20:.1f} MiB held, {what} in {seconds:.2f} s")
     return counts
 
 
