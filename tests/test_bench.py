@@ -260,3 +260,20 @@ def test_load_mode_prints_a_row_per_format(tmp_path):
         assert row["load_s"] > 0 and row["file_mib"] > 0 and row["held_per_file"] > 0
         assert row["format"] in result.stdout
     assert "GB/s of file" in result.stdout
+
+
+def test_load_mode_with_the_cache_maps_and_computes_the_same(tmp_path):
+    """--load-cache: a packed, a first (cache-filling) and a mapped row per format; the mapped
+    processes hold the cache's pages shared, add no anonymous layer, and give the packed outputs."""
+    out = tmp_path / "load.json"
+    args = ["--load", "bf16", "--load-shape", "4", "256", "256", "--load-threads", "1", "--load-runs", "1"]
+    result = run_bench(*args, "--load-cache", "--load-forward", "1", "8", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["packed", "first", "mapped"]
+    assert [rows[m]["mapped"] for m in rows] == [False, False, True]
+    assert all(row["same_outputs"] and set(row["forward_ms"]) == {"1", "8"} for row in rows.values())
+    mapped = rows["mapped"]
+    assert mapped["anon_mib"] < 0.05 * rows["packed"]["anon_mib"]
+    assert 0 < mapped["cache_pss_mib"] < 0.6 * mapped["cache_rss_mib"]  # two processes share the pages
+    assert "fwd ms T=8" in result.stdout and "cache Rss/Pss MiB" in result.stdout

@@ -17,6 +17,7 @@
 #include "formats/gguf_levels.h"
 #include "kernels.h"
 #include "machine_probe.h"
+#include "packed_file.h"
 #include "subpools.h"
 
 namespace nb = nanobind;
@@ -125,6 +126,7 @@ constexpr const char* kSubmitAddressesDoc =
 void bind_build_facts(nb::module_& m) {
   m.attr("VARIANT") = KT_VARIANT_NAME;
   m.attr("MAX_DIMENSION") = kt::kMaxDimension;
+  m.attr("PACKED_FILE_VERSION") = kt::kPackedFileVersion;
 
   m.def("kernel_info", [] {
     const kt::KernelInfo info = kt::kernel_info();
@@ -279,6 +281,39 @@ void bind_engine(nb::module_& m) {
            "Expert biases per slot (float32, C-contiguous, each None or: gate/up [E, I], down [E, H]), added "
            "in fp32: gate and up before the activation, down before the routing weight. All None: none.")
       .def("packed_bytes", &kt::MoEEngine::packed_bytes, "Bytes of the packed weights.")
+      .def("save_packed",
+           [](kt::MoEEngine& engine, const std::string& path, nb::bytes meta) {
+             const std::string bytes(meta.c_str(), meta.size());
+             nb::gil_scoped_release release;
+             engine.save_packed(path, bytes);
+           },
+           nb::arg("path"), nb::arg("meta"),
+           "Write the loaded weights (packed, with the packed mask and biases) and `meta` to the new file `path` "
+           "(it must not exist), synced; RuntimeError naming the path where a write fails (the file removed).")
+      .def("map_packed",
+           [](kt::MoEEngine& engine, const std::string& path, bool verify_content) {
+             std::string meta, reason;
+             {
+               nb::gil_scoped_release release;
+               reason = engine.map_packed(path, verify_content, &meta);
+             }
+             return nb::make_tuple(reason, nb::bytes(meta.data(), meta.size()));
+           },
+           nb::arg("path"), nb::arg("verify_content") = false,
+           "Map a file save_packed wrote in place of loading: ('', its meta bytes), or (why it cannot be "
+           "used, b'') with the weights as they were. verify_content: check the weights' checksum too.")
+      .def_prop_ro("mapped", &kt::MoEEngine::mapped, "Whether the weights are views of a mapped file.")
+      .def("biases",
+           [](const kt::MoEEngine& engine, const std::string& projection, CpuArray<float, nb::ndim<2>> out) {
+             const kt::Projection p = parse_projection(projection);
+             const kt::MoEShape& shape = engine.shape();
+             const int rows = p == kt::Projection::kDown ? shape.hidden : shape.intermediate;
+             require(out.shape(0) == size_t(shape.num_experts) && out.shape(1) == size_t(rows),
+                     "biases: out must be float32 [num_experts, rows of the projection]");
+             return engine.biases(p, out.data());
+           },
+           nb::arg("projection"), nb::arg("out"),
+           "Each slot's biases of 'gate', 'up' or 'down' into out; False (out untouched) where there are none.")
       .def("unload", &kt::MoEEngine::unload, nb::call_guard<nb::gil_scoped_release>(),
            "Mark every slot unpacked (memory kept): a load in parts, with source_of_slot -1 for the slots "
            "another part packs, starts here; the engine runs once every slot is packed.")

@@ -11,6 +11,7 @@
 
 #include "bf16.h"
 #include "kernels.h"
+#include "packed_file.h"
 
 KT_NAMESPACE_BEGIN
 namespace {
@@ -165,6 +166,8 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
   } else {
     // A part the layout so far cannot hold (a valid layer whose later experts differ) is not refused:
     // the projection is held anew in the layout of all its experts (rehold).
+    // The slots packed so far may be a mapped file's read-only pages: copied before any is written.
+    for (PackedProjection* p : {&w.gate, &w.up, &w.down}) p->own();
     // Checked by the pool's threads, a share of the matrices each (the check reads every value).
     const std::array<std::pair<PackedProjection*, SourceProjection>, 3> projections = {
         std::pair{&w.gate, gate}, std::pair{&w.up, up}, std::pair{&w.down, down}};
@@ -201,6 +204,52 @@ size_t MoEEngine::packed_bytes() const {
   for (const PackedProjection* p : {&weights_->gate, &weights_->up, &weights_->down})
     bytes += size_t(shape_.num_experts) * packed_groups(p->rows) * (p->group_bytes + p->group_scale_bytes * (1 + p->has_zeros));
   return bytes;
+}
+
+void MoEEngine::save_packed(const std::string& path, const std::string& meta) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot save weights while a forward is in flight");
+  if (!weights_->loaded) throw std::logic_error("weights are not loaded");
+  write_packed_file(path, *weights_, shape_, format_, meta);
+}
+
+std::string MoEEngine::map_packed(const std::string& path, bool verify_content, std::string* meta) {
+  std::lock_guard<std::mutex> lock(api_mutex_);
+  if (pending_) throw std::logic_error("cannot map weights while a forward is in flight");
+  std::string reason = map_packed_file(path, *weights_, shape_, format_, verify_content, meta);
+  if (!reason.empty()) return reason;
+  const ExpertWeights& w = *weights_;
+  pool_->run([&](int worker) {  // each slot's pages read by the worker that would have packed it
+    uint8_t sum = 0;
+    for (int slot = worker; slot < shape_.num_experts; slot += pool_->size()) {
+      if (!w.packed[slot]) continue;
+      for (const PackedProjection* p : {&w.gate, &w.up, &w.down}) {
+        const std::array<std::pair<const uint8_t*, size_t>, 3> parts = {
+            std::pair{p->values.data(), p->expert_value_bytes()}, std::pair{p->scales.data(), p->expert_scale_bytes()},
+            std::pair{p->has_zeros ? p->zeros.data() : nullptr, p->expert_scale_bytes()}};
+        for (const auto& [data, bytes] : parts) {
+          if (data == nullptr || bytes == 0) continue;
+          const uint8_t* first = data + slot * bytes;
+          for (size_t at = 0; at < bytes; at += 4096) sum ^= first[at];
+          sum ^= first[bytes - 1];
+        }
+      }
+    }
+    volatile uint8_t sink = sum;
+    (void)sink;
+  });
+  return "";
+}
+
+bool MoEEngine::biases(Projection projection, float* out) const {
+  const ExpertWeights& w = *weights_;
+  const std::vector<float>& bias =
+      projection == Projection::kGate ? w.gate_bias : projection == Projection::kUp ? w.up_bias : w.down_bias;
+  if (bias.empty()) return false;
+  const int rows = projection == Projection::kDown ? shape_.hidden : shape_.intermediate;
+  for (int e = 0; e < shape_.num_experts; ++e)
+    std::memcpy(out + size_t(e) * rows, bias_row(bias, e, rows), rows * sizeof(float));
+  return true;
 }
 
 void MoEEngine::unload() {

@@ -104,6 +104,19 @@ class MoEEngine {
   const FormatTraits& format() const { return format_; }
   // Bytes of the packed weights (values, scales and zero points of every slot).
   size_t packed_bytes() const;
+  // The packed weights, packed mask and biases written to a new file `path` with the caller's
+  // `meta` bytes (packed_file.h), for later loads to map. Not while a forward is in flight.
+  void save_packed(const std::string& path, const std::string& meta);
+  // The weights of the file `path` mapped read-only in place of a load (packed_file.h): "" and the
+  // file's meta bytes in *meta, or why the file cannot be used (the weights are then as they were).
+  // The pool's threads read each slot's pages first, as a load packs them (first touch places pages
+  // the kernel reads from disk on their NUMA node). A later load in parts (an expert handed back)
+  // copies the mapped weights into owned memory first.
+  std::string map_packed(const std::string& path, bool verify_content, std::string* meta);
+  // Whether the weights are views of a mapped file.
+  bool mapped() const { return weights_->gate.mapped(); }
+  // Each slot's biases of one projection, unpadded, into out [num_experts, rows]; false where none.
+  bool biases(Projection projection, float* out) const;
   // The engine's threads, for work on its CPUs between forwards (the subpools' reduction).
   ThreadPool& pool() { return *pool_; }
 

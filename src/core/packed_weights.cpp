@@ -1,6 +1,7 @@
 #include "packed_weights.h"
 
 #include <cstring>
+#include <utility>
 
 #include <sys/mman.h>
 
@@ -12,14 +13,50 @@ namespace {
 // Xeon VM, 12 layers in turn ran 0.6-15 % faster, and the same layer call no longer ran up to 25 %
 // slower on the weight sets loaded first (docs/perf-log/2026-11-24-xeon-model-stack-and-huge-pages.md).
 // Best effort: where the kernel refuses, the buffer keeps 4 KiB pages.
-void reserve_on_huge_pages(AlignedBuffer<uint8_t>& buffer, size_t bytes) {
-  buffer.reserve(bytes);
+void advise_huge_pages(uint8_t* data, size_t bytes) {
   constexpr uintptr_t kPage = 4096;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(buffer.data()) & ~(kPage - 1);
-  madvise(reinterpret_cast<void*>(begin), reinterpret_cast<uintptr_t>(buffer.data()) + bytes - begin, MADV_HUGEPAGE);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) & ~(kPage - 1);
+  madvise(reinterpret_cast<void*>(begin), reinterpret_cast<uintptr_t>(data) + bytes - begin, MADV_HUGEPAGE);
 }
 
 }  // namespace
+
+void PackedBytes::reserve(size_t bytes) {
+  view_ = nullptr;
+  view_bytes_ = 0;
+  keep_.reset();
+  owned_.reserve(bytes);
+  if (bytes > 0) advise_huge_pages(owned_.data(), bytes);
+}
+
+void PackedBytes::view(const uint8_t* data, size_t bytes, std::shared_ptr<const void> keep) {
+  owned_.release();
+  view_ = data;
+  view_bytes_ = bytes;
+  keep_ = std::move(keep);
+}
+
+void PackedBytes::release() {
+  owned_.release();
+  view_ = nullptr;
+  view_bytes_ = 0;
+  keep_.reset();
+}
+
+void PackedBytes::own() {
+  if (view_ == nullptr) return;
+  const uint8_t* source = view_;
+  const size_t bytes = view_bytes_;
+  const std::shared_ptr<const void> keep = std::move(keep_);  // mapped until copied
+  reserve(bytes);
+  if (bytes > 0) std::memcpy(owned_.data(), source, bytes);
+}
+
+void PackedProjection::own() {
+  values.own();
+  scales.own();
+  zeros.own();
+}
 
 void PackedProjection::allocate(const FormatTraits& format, int experts, int rows_, int k_, int scale_group_,
                                 bool zero_points, const HeldLayout& held_) {
@@ -31,15 +68,15 @@ void PackedProjection::allocate(const FormatTraits& format, int experts, int row
   group_bytes = layouts ? layouts->group_bytes(held, k) : format.group_bytes(k);
   group_scale_bytes =
       layouts ? layouts->group_scale_bytes(held, k, scale_group) : format.group_scale_bytes(k, scale_group);
-  reserve_on_huge_pages(values, size_t(experts) * packed_groups(rows) * group_bytes);
-  reserve_on_huge_pages(scales, size_t(experts) * packed_groups(rows) * group_scale_bytes);
+  values.reserve(size_t(experts) * expert_value_bytes());
+  scales.reserve(size_t(experts) * expert_scale_bytes());
   has_zeros = zero_points;
-  if (has_zeros) reserve_on_huge_pages(zeros, size_t(experts) * packed_groups(rows) * group_scale_bytes);
+  if (has_zeros) zeros.reserve(size_t(experts) * expert_scale_bytes());
 }
 
 void PackedProjection::add_zero_points(const FormatTraits& format, int experts) {
   if (has_zeros) return;
-  reserve_on_huge_pages(zeros, size_t(experts) * packed_groups(rows) * group_scale_bytes);
+  zeros.reserve(size_t(experts) * expert_scale_bytes());
   has_zeros = true;
   for (int e = 0; e < experts; ++e) pack_zero_offsets(format, e);
 }

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -12,12 +13,36 @@
 
 KT_NAMESPACE_BEGIN
 
+// Packed bytes: owned (aligned heap memory, on huge pages where the kernel allows) or a view of
+// read-only memory, a mapped cache file (packed_file.h) that `keep` keeps mapped while viewed.
+class PackedBytes {
+ public:
+  // Owned room for `bytes` (a view is let go first); contents not preserved.
+  void reserve(size_t bytes);
+  // A view of `bytes` at `data` in place of what was held (owned memory is freed).
+  void view(const uint8_t* data, size_t bytes, std::shared_ptr<const void> keep);
+  // Nothing held: owned memory freed, a view let go.
+  void release();
+  // A view copied into owned memory, so that more experts can be packed into it.
+  void own();
+  // A view's bytes are read-only: writing them faults (they are the file's pages).
+  uint8_t* data() { return view_ != nullptr ? const_cast<uint8_t*>(view_) : owned_.data(); }
+  const uint8_t* data() const { return view_ != nullptr ? view_ : owned_.data(); }
+  bool is_view() const { return view_ != nullptr; }
+
+ private:
+  AlignedBuffer<uint8_t> owned_;
+  const uint8_t* view_ = nullptr;
+  size_t view_bytes_ = 0;
+  std::shared_ptr<const void> keep_;
+};
+
 // One projection (gate, up or down) of every expert, packed for the kernels.
 struct PackedProjection {
   int rows = 0, k = 0, scale_group = 0;
   size_t group_bytes = 0, group_scale_bytes = 0;
-  AlignedBuffer<uint8_t> values, scales;  // expert e's groups start at e * packed_groups(rows)
-  AlignedBuffer<uint8_t> zeros;           // zero points (kernels.h), group_scale_bytes per group
+  PackedBytes values, scales;  // expert e's groups start at e * packed_groups(rows)
+  PackedBytes zeros;           // zero points (kernels.h), group_scale_bytes per group
   bool has_zeros = false;
   HeldLayout held;  // where the format chooses by the data (FormatTraits::held_layouts)
 
@@ -39,6 +64,12 @@ struct PackedProjection {
   }
   // Groups [first, first + count) of one expert.
   PackedGroups groups(int expert, int first, int count) const;
+  // Bytes of one expert's values, and of its scales (or zero points).
+  size_t expert_value_bytes() const { return size_t(packed_groups(rows)) * group_bytes; }
+  size_t expert_scale_bytes() const { return size_t(packed_groups(rows)) * group_scale_bytes; }
+  // Mapped bytes copied into owned memory (PackedBytes::own), before packing more experts.
+  void own();
+  bool mapped() const { return values.is_view(); }
 };
 
 // The canonical (unpacked) weights of one projection for all source experts, in the format's

@@ -1,4 +1,4 @@
-"""Command line: `python -m kt_kernel info | bench | convert` (also installed as `kt-kernel`)."""
+"""Command line: `python -m kt_kernel info | bench | convert | cache` (also installed as `kt-kernel`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     from kt_kernel.convert import add_arguments as add_convert_arguments
 
     add_convert_arguments(convert)
+    cache = commands.add_parser(
+        "cache", help="fill an mmap_experts_dir ahead of a launch (see docs/expert-cache.md)"
+    )
+    from kt_kernel.cache_fill import add_arguments as add_cache_arguments
+
+    add_cache_arguments(cache)
     args = parser.parse_args(argv)
     if args.command == "bench":
         from kt_kernel.bench import main as bench_main
@@ -41,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from kt_kernel.convert import main as convert_main
 
         return convert_main(args)
+    if args.command == "cache":
+        from kt_kernel.cache_fill import main as cache_main
+
+        return cache_main(args)
 
     if args.memory is not None:
         return memory_main(parser, args)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import checkpoint, deferred, formats, stream_path, write_back
+from . import checkpoint, deferred, expert_cache, formats, stream_path, write_back
 from ._native import ext
 from .arguments import (
     THREADS_PER_CPU_LIMIT,
@@ -65,6 +65,11 @@ class KTMoEWrapper:
     first touched, so placed, by those threads); without it, subpool i is pinned to the i-th node
     when the machine has ``threadpool_count`` > 1 nodes, and nothing is pinned otherwise.
     ``subpools`` says what was done; ``worker_cpus()`` reads the threads' CPU sets back.
+
+    ``mmap_experts_dir`` (a directory, made if missing): ``load_weights()`` writes each subpool's
+    packed experts there, and a later load of the layer with the same key (source files, layer,
+    format, experts in CPU memory, subpool split, build) maps them read-only instead of packing:
+    shared between processes, no anonymous copy (kt_kernel.expert_cache, docs/expert-cache.md).
     """
 
     _capture_batch_sizes: ClassVar[list[int]] = []
@@ -95,6 +100,7 @@ class KTMoEWrapper:
         swiglu_alpha: float | None = None,
         int8_activations: bool = False,
         skip_gpu_expert_cpu_copy: bool = False,
+        mmap_experts_dir: str | os.PathLike | None = None,
     ) -> None:
         o = check_layer_options(locals(), ext.MAX_DIMENSION)  # the arguments as given, checked by name
         for name, value in vars(o).items():  # public, under upstream's names
@@ -108,6 +114,8 @@ class KTMoEWrapper:
         self.method = method
         self.weight_path = weight_path
         self.cpu_save = bool(cpu_save)
+        cache = expert_cache.open_cache(mmap_experts_dir)
+        self.mmap_experts_dir = None if cache is None else str(cache.directory)
         # The engines read this tensor's memory when a task starts: it is replaced only in place.
         self._gpu_experts_mask = initial_gpu_mask(gpu_experts_mask, num_gpu_experts, num_experts)
         self._gpu_mask_address = self._gpu_experts_mask.data_ptr()
@@ -122,7 +130,7 @@ class KTMoEWrapper:
         )  # fmt: skip
         self._weights = LayerWeights(
             self._format, self._subpools, num_experts, hidden_size, moe_intermediate_size, layer_idx,
-            skip_gpu_expert_cpu_copy,
+            skip_gpu_expert_cpu_copy, cache,
         )  # fmt: skip
         # Deferred experts run as a second call of this layer, on the same weights and threads; their
         # output goes into the next call's output (kt_kernel.deferred).
@@ -247,7 +255,7 @@ class KTMoEWrapper:
         with self._lock:
             self._require_idle("load weights")
             self._weights.load_checkpoint(
-                self.weight_path, slot_map, self._gpu_experts_mask, self.weight_format
+                self.weight_path, slot_map, self._gpu_experts_mask, self.weight_format, self.method
             )
 
     # ---- forward ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import checkpoint
+from .expert_cache import ExpertCache
 from .expert_weights import check_slot_map, prepare, prepare_biases, subpool_slice
 from .formats import WeightFormat
 
@@ -27,8 +28,9 @@ class LayerWeights:
     """What a layer's engines hold and how it was loaded (the wrapper serializes every call)."""
 
     def __init__(self, fmt: WeightFormat, subpools: list[Any], num_experts: int, hidden: int, inter: int,
-                 layer_idx: int, skip_gpu_copy: bool) -> None:  # fmt: skip
+                 layer_idx: int, skip_gpu_copy: bool, cache: ExpertCache | None = None) -> None:  # fmt: skip
         self.format, self.subpools = fmt, subpools
+        self.cache = cache  # mmap_experts_dir (kt_kernel.expert_cache), or None
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.layer_idx, self.skip_gpu_copy = layer_idx, skip_gpu_copy
         self.loaded = False
@@ -123,6 +125,37 @@ class LayerWeights:
         return check_slot_map(physical_to_logical_map_cpu, sources, self.num_experts)
 
     def load_checkpoint(self, weight_path: str, slot_map: torch.Tensor, gpu_mask: torch.Tensor,
+                        weight_format: str, method: str) -> None:  # fmt: skip
+        """The layer from weight_path (read_checkpoint), or mapped from the mmap_experts_dir cache
+        where it holds the layer's packed files (kt_kernel.expert_cache)."""
+        if self.cache is None:
+            self.read_checkpoint(weight_path, slot_map, gpu_mask, weight_format)
+            return
+        self.cache.load(
+            self, weight_path, slot_map, gpu_mask, method,
+            lambda: self.read_checkpoint(weight_path, slot_map, gpu_mask, weight_format),
+        )  # fmt: skip
+
+    def adopt_mapped(self, meta: dict[str, Any], slot_map: torch.Tensor) -> None:
+        """What a load would have set, for engines that mapped the layer's packed files (their
+        ``meta``): the scale groups, zero points, the biases' table read back from the engines."""
+        self.scale_groups = {name: int(group) for name, group in meta["scale_groups"].items()}
+        self.zero_points = bool(meta["zero_points"])
+        table: dict[str, torch.Tensor] = {}
+        for name, projection in zip(_BIASES, ("gate", "up", "down"), strict=True):
+            parts = []
+            for sp in self.subpools if projection != "down" else self.subpools[:1]:
+                rows = self.hidden if projection == "down" else sp.stop - sp.start
+                out = torch.empty(self.num_experts, rows, dtype=torch.float32)
+                if sp.engine.biases(projection, out):
+                    parts.append(out)
+            if parts:
+                table[name] = torch.cat(parts, dim=1)
+        self.bias_table = table or None
+        self.source_of_slot = slot_map
+        self.loaded = True
+
+    def read_checkpoint(self, weight_path: str, slot_map: torch.Tensor, gpu_mask: torch.Tensor,
                         weight_format: str) -> None:  # fmt: skip
         """Experts of the layer from weight_path, LOAD_PARTS parts at a time: only a part's tensors
         exist besides the engines' packed copy. Where a part fails, the layer is left unloaded."""

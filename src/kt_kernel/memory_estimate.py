@@ -29,7 +29,7 @@ from .held_bytes import gguf_most_bytes, projection_bytes
 from .safetensors_io import DTYPE_BITS, CheckpointError, index_checkpoint, read_safetensors_header
 from .sources import ExpertSource, MoELayer, require_source_format, stored_format
 
-_GGUF_EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<projection>gate|up|down)_exps\.weight$")
+GGUF_EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<projection>gate|up|down)_exps\.weight$")
 
 
 @dataclass
@@ -113,7 +113,7 @@ def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstima
     model = GGUFModel(path)
     result = MemoryEstimate(str(path), fmt.name if fmt else GGUF_FORMAT)
     for name, (file, tensor) in model.tensors.items():
-        match = _GGUF_EXPERTS.match(name)
+        match = GGUF_EXPERTS.match(name)
         if match is None:
             continue
         type_name = tensor.tensor_type.name
