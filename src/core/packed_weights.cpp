@@ -33,6 +33,7 @@ void PackedProjection::allocate(const FormatTraits& format, int experts, int row
       layouts ? layouts->group_scale_bytes(held, k, scale_group) : format.group_scale_bytes(k, scale_group);
   reserve_on_huge_pages(values, size_t(experts) * packed_groups(rows) * group_bytes);
   reserve_on_huge_pages(scales, size_t(experts) * packed_groups(rows) * group_scale_bytes);
+  factors.assign(experts, 1.0f);
   has_zeros = zero_points;
   if (has_zeros) reserve_on_huge_pages(zeros, size_t(experts) * packed_groups(rows) * group_scale_bytes);
 }
@@ -60,6 +61,8 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   if (held.indexed) groups.levels = held.levels.data();
   groups.factored_scales = held.factored_scales;
   groups.mins = held.mins;
+  groups.e4m3_scales = held.e4m3_scales;
+  if (size_t(expert) < factors.size()) groups.scale_factor = factors[expert];
   return groups;
 }
 
@@ -94,7 +97,7 @@ void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix
   const uint8_t* matrix_scales = scales ? scales + matrix * rows * scales_per_row * format.scale_bytes() : nullptr;
   if (format.held_layouts)
     format.held_layouts->pack(dst.held, values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert),
-                              dst.expert_scales(expert));
+                              dst.expert_scales(expert), &dst.factors[expert]);
   else
     format.pack(values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert), dst.expert_scales(expert));
   if (src.zeros != nullptr)
