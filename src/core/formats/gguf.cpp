@@ -127,11 +127,19 @@ struct E4m3Values {
 const E4m3Values kE4m3;
 constexpr int kE4m3Top = 0x7E;  // 448
 
-// The code whose value times `factor` is `scale`, bit for bit, or -1.
+// The code whose value times `factor` is `scale`, bit for bit, or -1: the code nearest scale / factor
+// from its bits (a load checks every scale of a layer this way, several times), or a neighbour.
 int e4m3_code(float scale, float factor) {
   const float q = scale / factor;
-  const int at = int(std::lower_bound(kE4m3.of, kE4m3.of + kE4m3Top + 1, q) - kE4m3.of);
-  for (int b : {at - 1, at, at + 1})
+  if (!(q >= 0.0f && q < 2 * kE4m3.of[kE4m3Top])) return -1;
+  int at;
+  if (q < 0x1p-6f) {
+    at = int(std::nearbyint(q * 512.0f));  // the subnormal codes m * 2^-9, and code 8 (2^-6)
+  } else {
+    const uint32_t bits = std::bit_cast<uint32_t>(q);
+    at = (int(bits >> 23) - 127 + 7) * 8 + int((bits >> 20) & 7);  // the mantissa truncated
+  }
+  for (int b : {at, at + 1, at - 1})
     if (b >= 0 && b <= kE4m3Top && std::bit_cast<uint32_t>(kE4m3.of[b] * factor) == std::bit_cast<uint32_t>(scale))
       return b;
   return -1;
