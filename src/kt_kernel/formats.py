@@ -73,8 +73,6 @@ NVFP4_METHOD = "NVFP4"
 _NOT_E2M1 = 127
 _E2M1_CODE_DOUBLED = torch.full((256,), _NOT_E2M1, dtype=torch.int8)
 _E2M1_CODE_DOUBLED[_E2M1_AS_E4M3.long()] = (2 * _E2M1_SIGNED).to(torch.int8)
-#: Codes converted at a time (nvfp4_as_gguf): its int64 indices stay a few MiB.
-_CONVERT_CHUNK = 1 << 20
 
 
 def nvfp4_held_as_gguf(method: str, hidden: int, intermediate: int) -> bool:
@@ -103,12 +101,8 @@ def nvfp4_as_gguf(
             f"{scale_name} must hold one scale per {NVFP4_BLOCK} inputs for method NVFP4 "
             f"({list(codes.shape[:-1]) + [k // NVFP4_BLOCK]}), got {list(scales.shape)}"
         )
-    flat = codes.reshape(-1)
-    values = torch.empty(flat.shape, dtype=torch.int8)
-    for start in range(0, flat.numel(), _CONVERT_CHUNK):
-        part = flat[start : start + _CONVERT_CHUNK]
-        values[start : start + len(part)] = _E2M1_CODE_DOUBLED[part.long()]
-    values = values.reshape(codes.shape)
+    values = torch.empty(codes.shape, dtype=torch.int8)
+    ext.map_bytes(codes, _E2M1_CODE_DOUBLED.view(torch.uint8), values.view(torch.uint8))  # one pass
     where = first_byte_index(values.view(torch.uint8), 0xFF, _NOT_E2M1, first_expert)
     if where is not None:
         code = int(codes[tuple([where[0] - first_expert, *where[1:]])])
