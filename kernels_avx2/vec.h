@@ -97,6 +97,13 @@ struct Vec {
   static Float int8_to_float(const int8_t* values) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values))));
   }
+  // kLanes unsigned E4M3 codes -> fp32, exactly: the code's bits as an fp32's exponent and top mantissa
+  // bits are its value times 2^-120 (the subnormal codes as fp32 denormals: no DAZ here).
+  static Float e4m3_to_float(const uint8_t* codes) {
+    const __m256i bits =
+        _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+  }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))), 23);

@@ -79,6 +79,11 @@ struct Vec {
   static Float int8_to_float(const int8_t* values) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
   }
+  // kLanes unsigned E4M3 codes -> fp32, exactly (as the AVX2 one).
+  static Float e4m3_to_float(const uint8_t* codes) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
+  }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
     return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(bytes, 23), _mm512_set1_epi32(kE8M0ZeroBits)));

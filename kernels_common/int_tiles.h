@@ -5,8 +5,8 @@
 //
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, loadu_ps, set1, set1_ps, and_, srli_epi32,
 // slli_epi32, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, add_ps, storeu_ps, lookup16(table,
-// indices) (a byte per index < 16) and e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
-// fp32 denormal 2^-127).
+// indices) (a byte per index < 16), e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
+// fp32 denormal 2^-127) and e4m3_to_float(kLanes bytes) (unsigned E4M3 codes, exactly).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
 // 32-bit lane sum of 4 u8 x s8 (or, MaddwdDot, u8 x s16), kQuadsPerSum (how many quads an int32
@@ -95,6 +95,7 @@ struct GgufFormat {
   // branch here, not a template parameter: tiles compiled apart per layout ran a factored prefill 5 %
   // slower (T = 512, avx512, one process, interleaved), the fp32 one no faster.
   static typename V::Float entry(const PackedGroups& w, const uint8_t* group_scales, int s, int entry, int first_row) {
+    if (w.e4m3_scales) return V::e4m3_to_float(group_scales + s * kGroupRows + first_row);  // no mins
     const float* floats = reinterpret_cast<const float*>(group_scales);
     const int at = gguf_entry_index(s, entry, w.mins) + first_row;
     if (!w.factored_scales) return V::load_ps(floats + at);
@@ -395,7 +396,8 @@ struct IntTiles {
         KT_UNROLL
         for (int i = 0; i < M; ++i) {
           // The sums are in steps of the last part's scale (the residual's: the row's / 256).
-          const Float x_scale = V::set1_ps(x[i].part[P - 1].scale * FourBit::kValueScale);
+          // w.scale_factor: GGUF's factor per matrix (E4M3 scales), else 1.
+          const Float x_scale = V::set1_ps(x[i].part[P - 1].scale * FourBit::kValueScale * w.scale_factor);
           for (int v = 0; v < kVecs; ++v) V::storeu_ps(y + i * y_stride + v * V::kLanes, V::mul(acc[i][v], x_scale));
         }
       }

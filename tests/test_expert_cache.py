@@ -23,6 +23,8 @@ from test_gguf_kernels import gguf_tensor
 from test_gpt_oss_checkpoint import ALPHA, LIMIT
 from test_gpt_oss_checkpoint import write_checkpoint as write_gpt_oss
 from test_int4_sources import write_layer as write_gptq
+from test_nvfp4 import GLOBAL, write_modelopt
+from test_nvfp4 import expert_weights as nvfp4_weights
 
 from kt_kernel import convert, expert_cache, formats, quant
 from kt_kernel.expert_weights import prepare, subpool_slice
@@ -205,7 +207,8 @@ class Source:
         return moe
 
 
-CASES = [*formats.FORMATS, "gguf-k-quants", "gptq-zero-points", "gpt-oss-biases"]
+# nvfp4: held as GGUF with E4M3 scale bytes and a factor per matrix, each expert's its own.
+CASES = [*formats.FORMATS, "gguf-k-quants", "gptq-zero-points", "gpt-oss-biases", "nvfp4"]
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +228,10 @@ def sources(tmp_path_factory):
         elif case == "gguf-k-quants":
             write_gguf(root / "model.gguf", {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"})
             made[case] = Source(root / "model.gguf", "GGUF", (4, 2, 512, 256))
+        elif case == "nvfp4":
+            scales = [GLOBAL * (1 + e / 7) for e in range(8)]
+            write_modelopt(root, nvfp4_weights(3), global_scales=scales)
+            made[case] = Source(root, "NVFP4", (8, 2, 256, 96))
         elif case == "gptq-zero-points":
             write_gptq(root / "model", "gptq", 32, asymmetric={1, 2}, inter=256)
             made[case] = Source(root / "model", "GPTQ_INT4", (4, 2, 256, 256))
@@ -248,6 +255,10 @@ def test_a_mapped_layer_computes_what_a_packed_one_does(tmp_path, sources, case,
     second = source.load(cache, threadpool_count=pools)
     assert mapped(second)
     plain = source.load(None, threadpool_count=pools)
+    if case == "nvfp4":  # held as E4M3 scale bytes and a factor per matrix, which the file must carry
+        experts, _, hidden, inter = source.shape
+        held = sum(sp.engine.packed_bytes() for sp in plain._subpools)
+        assert plain.weight_format == "GGUF" and held <= experts * 3 * (hidden * inter * 0.5625 + 4 * pools)
     experts, _, hidden, _ = source.shape
     for tokens in (1, 9, 40):
         expected = forward(plain, experts, hidden, tokens)

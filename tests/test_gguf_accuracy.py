@@ -48,9 +48,11 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
     moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
     moe.load_weights()
-    # Held as BLOCK_TYPES says: 4-bit indices or bytes, scales factored or fp32, mins where it has them.
+    # Held as BLOCK_TYPES says: 4-bit indices or bytes, scales factored or fp32, mins where it has them;
+    # the types whose scales the data decides (factored None: MXFP4, NVFP4) also as E4M3 bytes times an
+    # fp32 per matrix (powers of two and E4M3 values are E4M3 codes).
     held = []
-    for factored in (False, True):
+    for factored, e4m3 in ((False, False), (True, False), (False, True)):
         total = 0
         for name, (rows, k) in (
             ("gate", (inter, hidden)),
@@ -59,7 +61,8 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
         ):
             block = BLOCK_TYPES[types[name]]
             as_type = block.factored if block.factored is not None else factored
-            total += held_bytes(rows, k, block.group, block.held_bits == 4, as_type, block.mins)
+            as_e4m3 = e4m3 and block.factored is None and not block.mins
+            total += held_bytes(rows, k, block.group, block.held_bits == 4, as_type, block.mins, as_e4m3)
         held.append(EXPERTS * total)
     assert sum(sp.engine.packed_bytes() for sp in moe._subpools) in held
     x = activations(tokens, hidden, 100)

@@ -42,9 +42,11 @@ def gguf_tensor(
     return values, torch.stack([scale, minimum], dim=-1).reshape(experts, rows, -1)
 
 
-def held_bytes(rows: int, k: int, group: int, indexed: bool, factored: bool, mins: bool) -> int:
+def held_bytes(
+    rows: int, k: int, group: int, indexed: bool, factored: bool, mins: bool, e4m3: bool = False
+) -> int:
     """The bytes of one packed matrix in the layout given (kt_kernel.held_bytes, src/core/kernels.h)."""
-    return projection_bytes("GGUF", 1, rows, k, group, layout=GgufLayout(indexed, factored, mins))
+    return projection_bytes("GGUF", 1, rows, k, group, layout=GgufLayout(indexed, factored, mins, e4m3))
 
 
 def decoded(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from test_accuracy import BOUND, activations, reference, relative_error, routing
 
-from kt_kernel import formats
+from kt_kernel import formats, held_bytes
 
 from conftest import skip_unless_cpu_runs
 from moe_reference import moe_wrapper
@@ -71,14 +71,15 @@ def test_nvfp4_from_tensors(tokens):
     assert error < BOUND, f"relative error {error:.4%}"
 
 
-def write_modelopt(directory, weights, layer: int = 0) -> None:
+def write_modelopt(directory, weights, layer: int = 0, global_scales: list[float] | None = None) -> None:
     tensors = {"model.embed_tokens.weight": torch.zeros(4, HIDDEN, dtype=torch.bfloat16)}
     for name, pairs in weights.items():
         for expert, (values, scales) in enumerate(pairs):
             key = f"model.layers.{layer}.mlp.experts.{expert}.{name}.weight"
             tensors[key] = values
             tensors[key + "_scale"] = scales.view(torch.float8_e4m3fn)
-            tensors[key + "_scale_2"] = torch.tensor(GLOBAL, dtype=torch.float32)
+            global_scale = GLOBAL if global_scales is None else global_scales[expert]
+            tensors[key + "_scale_2"] = torch.tensor(global_scale, dtype=torch.float32)
             tensors[key.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)  # ignored
     save_file(tensors, str(directory / "model.safetensors"))
 
@@ -170,3 +171,71 @@ def test_corrupt_nvfp4_scales_are_errors_naming_file_key_and_expert(tmp_path, co
     moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4", weight_path=str(tmp_path))
     with pytest.raises(CheckpointError, match=rf"{file}: .*{words}"):
         moe.load_weights()
+
+
+def file_bytes(pairs) -> int:
+    """A projection's bytes in a ModelOpt file: E2M1 pairs, E4M3 block scales, an fp32 per tensor."""
+    return sum(values.numel() + scales.numel() + 4 for values, scales in pairs)
+
+
+def test_nvfp4_is_held_in_at_most_the_files_bytes(tmp_path):
+    """4-bit indices, the E4M3 block scales as the file's bytes and one fp32 per matrix (each expert's
+    weight_scale_2 its own, none a bf16 number): held <= the file's bytes, per projection and per
+    layer, from a checkpoint and from tensors; and still exact."""
+    weights = expert_weights(6)
+    global_scales = [float(torch.tensor(GLOBAL * (1 + e / 7), dtype=torch.float32)) for e in range(EXPERTS)]
+    write_modelopt(tmp_path, weights, global_scales=global_scales)
+    moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4", weight_path=str(tmp_path))
+    moe.load_weights()
+    held = sum(sp.engine.packed_bytes() for sp in moe._subpools)
+    told = 0
+    for name, pairs in weights.items():
+        rows, k = pairs[0][1].shape[0], 2 * pairs[0][0].shape[1]
+        projection = held_bytes.nvfp4_bytes(EXPERTS, rows, k)
+        assert projection <= file_bytes(pairs), name
+        told += projection
+    assert held == told <= sum(map(file_bytes, weights.values()))
+    assert held <= EXPERTS * 3 * HIDDEN * INTER * (0.5 + 1 / 16) + EXPERTS * 3 * 4  # 0.5625 B/w
+    exact_weights = [
+        torch.stack([decoded(v, s, global_scales[e]) for e, (v, s) in enumerate(pairs)])
+        for pairs in weights.values()
+    ]
+    x = activations(9, HIDDEN, 100)
+    ids, topk_weights = routing(9, EXPERTS, TOP_K, hot=True)
+    error = relative_error(moe.forward(x, ids, topk_weights), reference(exact_weights, x, ids, topk_weights))
+    assert error < BOUND, f"relative error {error:.4%}"
+    stacked = [(torch.stack([v for v, _ in p]), torch.stack([s for _, s in p])) for p in weights.values()]
+    global_tensor = torch.tensor(global_scales, dtype=torch.float32)
+    converted = [formats.nvfp4_to_fp8(values, scales, global_tensor) for values, scales in stacked]
+    from_tensors = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4")
+    scales = dict(zip(("gate_scale", "up_scale", "down_scale"), (s for _, s in converted), strict=True))
+    from_tensors.load_weights_from_tensors(*(c for c, _ in converted), **scales)
+    assert sum(sp.engine.packed_bytes() for sp in from_tensors._subpools) == held
+    assert torch.equal(from_tensors.forward(x, ids, topk_weights), moe.forward(x, ids, topk_weights))
+
+
+def test_nvfp4_write_back_gives_the_loaded_tensors():
+    """Held as GGUF, written back as loaded: nvfp4_to_fp8's E4M3 codes (-0 as +0, the same weight) and
+    fp32 scales, bit for bit."""
+    weights = expert_weights(7)
+    stacked = [(torch.stack([v for v, _ in p]), torch.stack([s for _, s in p])) for p in weights.values()]
+    converted = [formats.nvfp4_to_fp8(values, scales, GLOBAL) for values, scales in stacked]
+    moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="NVFP4")
+    scales = dict(zip(("gate_scale", "up_scale", "down_scale"), (s for _, s in converted), strict=True))
+    moe.load_weights_from_tensors(*(c for c, _ in converted), **scales)
+    assert moe.weight_format == "GGUF"
+    sizes = moe.write_buffer_nbytes(1)
+    buffers = {name: torch.zeros(size, dtype=torch.uint8) for name, size in sizes.items()}
+    expert = 3
+    moe.submit_write_weight_scale_to_buffer(
+        1,
+        expert,
+        *([buffers[name].data_ptr()] for name in ("w13_weight", "w13_scale", "w2_weight", "w2_scale")),
+    )
+    moe.sync_write_weight_scale_to_buffer()
+    (gate, gate_s), (up, up_s), (down, down_s) = ((c[expert], s[expert]) for c, s in converted)
+    plus_zero = lambda codes: torch.where(codes == 0x80, 0, codes)  # noqa: E731
+    assert torch.equal(buffers["w13_weight"], plus_zero(torch.cat([gate, up])).flatten())
+    assert torch.equal(buffers["w2_weight"], plus_zero(down).flatten())
+    assert torch.equal(buffers["w13_scale"].view(torch.float32), torch.cat([gate_s, up_s]).flatten())
+    assert torch.equal(buffers["w2_scale"].view(torch.float32), down_s.flatten())

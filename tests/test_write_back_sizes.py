@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kt_kernel import quant
+from kt_kernel import formats, quant
 
 from moe_reference import make_problem, moe_wrapper
 
@@ -45,6 +45,21 @@ def load_fp8(method: str, kind: str):
     return moe
 
 
+def load_nvfp4():
+    """NVFP4 as nvfp4_to_fp8 gives it: held as GGUF, written back as loaded."""
+    g = torch.Generator().manual_seed(7)
+
+    def projection(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, generator=g)
+        scales = (torch.rand(E, n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
+        return formats.nvfp4_to_fp8(values, scales, 1 / 3)
+
+    (gate, gs), (up, us), (down, ds) = projection(I, H), projection(I, H), projection(H, I)
+    moe = moe_wrapper(E, K, H, I, method="NVFP4")
+    moe.load_weights_from_tensors(gate, up, down, gate_scale=gs, up_scale=us, down_scale=ds)
+    return moe
+
+
 def load_quantized(method: str, group_size: int | None = None):
     """Canonical weights (values and scales) given to the load, bit-exactly."""
     p = make_problem(E, K, H, I, tokens=1, seed=9)
@@ -77,6 +92,7 @@ CASES = {
     "MXFP4": lambda: load_quantized("MXFP4"),
     "FP8 blocks": lambda: load_fp8("FP8", "block"),
     "FP8_PERCHANNEL": lambda: load_fp8("FP8_PERCHANNEL", "channel"),
+    "NVFP4": load_nvfp4,
 }
 
 

@@ -43,4 +43,16 @@ void bind_load_helpers(nb::module_& m) {
       },
       nb::arg("packed"), nb::arg("table"), nb::arg("out"),
       "out[2i], out[2i + 1] = table[packed[i] & 15], table[packed[i] >> 4] (C-contiguous uint8 arrays).");
+  m.def(
+      "map_bytes",
+      [](Bytes data, Bytes table, BytesOut out) {
+        if (table.size() != 256) throw std::invalid_argument("map_bytes needs a table of 256 bytes");
+        if (out.size() != data.size()) throw std::invalid_argument("map_bytes: out must hold a byte per input byte");
+        const uint8_t *in = data.data(), *bytes = table.data();
+        uint8_t* dst = out.data();
+        const size_t size = data.size();
+        nb::gil_scoped_release release;
+        kt::map_bytes(in, size, bytes, dst);
+      },
+      nb::arg("data"), nb::arg("table"), nb::arg("out"), "out[i] = table[data[i]] (C-contiguous uint8 arrays).");
 }

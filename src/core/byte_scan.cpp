@@ -22,6 +22,10 @@ int64_t first_byte_match(const uint8_t* data, size_t size, uint8_t mask, uint8_t
   return -1;
 }
 
+void map_bytes(const uint8_t* in, size_t size, const uint8_t* table, uint8_t* out) {
+  for (size_t i = 0; i < size; ++i) out[i] = table[in[i]];
+}
+
 void expand_nibbles(const uint8_t* in, size_t size, const uint8_t* table, uint8_t* out) {
   size_t i = 0;
 #if defined(__AVX2__)

@@ -16,4 +16,7 @@ int64_t first_byte_match(const uint8_t* data, size_t size, uint8_t mask, uint8_t
 // nibble first, looked up in a table of 16 bytes.
 void expand_nibbles(const uint8_t* in, size_t size, const uint8_t* table, uint8_t* out);
 
+// out[i] = table[in[i]], a table of 256 bytes (in and out may be the same).
+void map_bytes(const uint8_t* in, size_t size, const uint8_t* table, uint8_t* out);
+
 KT_NAMESPACE_END

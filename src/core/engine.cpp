@@ -201,8 +201,10 @@ void MoEEngine::load(SourceProjection gate, SourceProjection up, SourceProjectio
 
 size_t MoEEngine::packed_bytes() const {
   size_t bytes = 0;
-  for (const PackedProjection* p : {&weights_->gate, &weights_->up, &weights_->down})
-    bytes += size_t(shape_.num_experts) * packed_groups(p->rows) * (p->group_bytes + p->group_scale_bytes * (1 + p->has_zeros));
+  for (const PackedProjection* p : {&weights_->gate, &weights_->up, &weights_->down}) {
+    bytes += size_t(shape_.num_experts) * (p->expert_value_bytes() + p->expert_scale_bytes() * (1 + p->has_zeros));
+    if (p->held.e4m3_scales) bytes += size_t(shape_.num_experts) * sizeof(float);  // the factor per matrix
+  }
   return bytes;
 }
 

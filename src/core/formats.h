@@ -37,12 +37,14 @@ struct UnpackRegion {
 constexpr int kEndOfList = -1;
 
 // How a projection is held, where its format chooses by the data (GGUF, kernels.h): values as 4-bit
-// indices into `levels` (each + 128), scales factored, mins left out where every min is 0.
+// indices into `levels` (each + 128), scales factored or as E4M3 bytes times a factor per matrix,
+// mins left out where every min is 0.
 struct HeldLayout {
   bool indexed = false;
   alignas(16) std::array<int8_t, kLevels> levels{};
   bool factored_scales = false;
   bool mins = true;
+  bool e4m3_scales = false;
 };
 
 // Canonical matrices (rows x k) of one projection (FormatTraits' layout), `count` of them.
@@ -55,14 +57,15 @@ struct CanonicalMatrices {
 
 // A format's choice of layouts: `of` the layout that holds every matrix exactly, `holds` whether a
 // layout chosen before holds more matrices (a later part of a load), the packed bytes of one group
-// and pack (FormatTraits::pack's arguments) in a layout.
+// and pack (FormatTraits::pack's arguments) in a layout; pack sets the matrix's factor (its outputs
+// are multiplied by it: PackedGroups::scale_factor).
 struct HeldLayouts {
   HeldLayout (*of)(const CanonicalMatrices& matrices);
   bool (*holds)(const HeldLayout& layout, const CanonicalMatrices& matrices);
   size_t (*group_bytes)(const HeldLayout& layout, int k);
   size_t (*group_scale_bytes)(const HeldLayout& layout, int k, int scale_group);
   void (*pack)(const HeldLayout& layout, const uint8_t* values, const uint8_t* scales, int rows, int k,
-               int scale_group, uint8_t* packed, uint8_t* packed_scales);
+               int scale_group, uint8_t* packed, uint8_t* packed_scales, float* factor);
 };
 
 struct FormatTraits {

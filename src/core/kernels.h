@@ -120,6 +120,10 @@ struct PackedGroups {
   const int8_t* levels = nullptr;
   // GGUF's scales factored, and whether it holds mins (above).
   bool factored_scales = false, mins = true;
+  // GGUF's scales as unsigned E4M3 bytes (NVFP4's own), and the matrix's fp32 factor: every output
+  // is multiplied by it (1 in the other layouts).
+  bool e4m3_scales = false;
+  float scale_factor = 1.0f;
   // The weights the caller multiplies next (as many groups, the same k and format), or null: the
   // tiles' prefetches run on into them (gemm_tiled).
   const uint8_t* next_values = nullptr;
@@ -185,6 +189,10 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 //   kGgufBlockInputs inputs is an int8 multiple of one fp32 (exactly: found and checked at load),
 //   and so is every min. First, per block of kGgufBlockInputs inputs, the fp32 entries of those
 //   factors; then, per scale group s, the entries of int8 multiples. scale = multiple * factor.
+//   E4M3 (PackedGroups::e4m3_scales; NVFP4's form, no mins): every scale of the matrix is an
+//   unsigned E4M3 value times one fp32 factor per matrix (exactly: found and checked at load), held
+//   as that byte: per scale group s, 16 bytes, one per row, and the factor in
+//   PackedGroups::scale_factor (PackedProjection::factors), applied to the outputs: the file's bytes.
 constexpr int kLevels = 16;
 constexpr int kGgufBlockInputs = 256;
 inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
@@ -205,6 +213,8 @@ inline size_t gguf_group_scale_bytes(int k, int scale_group, bool factored, bool
   const size_t entries = size_t(k / scale_group) * gguf_entries(mins) * kGroupRows;
   return factored ? round_up(int(gguf_multiples_offset(k, mins) + entries), 64) : entries * sizeof(float);
 }
+// E4M3 scales: a byte per row and scale group, no padding (held <= NVFP4's file bytes).
+inline size_t gguf_e4m3_scale_bytes(int k, int scale_group) { return size_t(k / scale_group) * kGroupRows; }
 constexpr int kInt8MaxK = 65536;  // 65536 * 255 * 127 < 2^31
 
 // ---- FP8 (E4M3, OCP "fn"): bf16 activations, weights decoded to bf16 in the kernel --------

@@ -31,9 +31,9 @@ struct Section {
 struct ProjectionEntry {
   int32_t rows, k, scale_group, has_zeros;
   uint64_t group_bytes, group_scale_bytes;
-  uint8_t indexed, factored_scales, mins, reserved[5];
+  uint8_t indexed, factored_scales, mins, e4m3_scales, reserved[4];
   int8_t levels[kLevels];
-  Section values, scales, zeros;
+  Section values, scales, zeros, factors;  // factors: each expert's fp32 (PackedProjection::factors)
 };
 
 struct FileHeader {
@@ -75,10 +75,10 @@ uint64_t page_up(uint64_t bytes, uint64_t page = kPage) { return (bytes + page -
 // of 2 MiB or more at a 2 MiB boundary (the gaps are holes: no disk, no memory), so that written in
 // one piece it can be held by 2 MiB folios and mapped by 2 MiB entries (map_on_huge_page_boundary).
 struct Sizes {
-  uint64_t values[3], scales[3], zeros[3], biases[3], packed, meta;
+  uint64_t values[3], scales[3], zeros[3], factors[3], biases[3], packed, meta;
 };
 struct Plan {
-  Section values[3], scales[3], zeros[3], biases[3], packed, meta;
+  Section values[3], scales[3], zeros[3], factors[3], biases[3], packed, meta;
   uint64_t file_bytes;
 };
 
@@ -96,6 +96,7 @@ Plan plan(const Sizes& s) {
     place(p.values[i], s.values[i], true);
     place(p.scales[i], s.scales[i], true);
     place(p.zeros[i], s.zeros[i], true);
+    place(p.factors[i], s.factors[i], false);
   }
   for (int i = 0; i < 3; ++i) place(p.biases[i], s.biases[i], true);
   p.file_bytes = page_up(at);
@@ -117,7 +118,7 @@ Section part_of(const ProjectionEntry& p, int part) { return part == 0 ? p.value
 
 // The content checksum: each packed slot's bytes of every part of every projection, then the biases.
 uint64_t content_checksum(const FileHeader& h, const uint8_t* packed, const uint8_t* const parts[3][3],
-                          const uint8_t* const biases[3]) {
+                          const uint8_t* const biases[3], const uint8_t* const factors[3]) {
   uint64_t sum = 0;
   for (int p = 0; p < 3; ++p)
     for (int part = 0; part < 3; ++part) {
@@ -128,6 +129,7 @@ uint64_t content_checksum(const FileHeader& h, const uint8_t* packed, const uint
     }
   for (int b = 0; b < 3; ++b)
     if (h.biases[b].bytes > 0) sum = checksum(biases[b], h.biases[b].bytes, sum);
+  for (int p = 0; p < 3; ++p) sum = checksum(factors[p], h.projections[p].factors.bytes, sum);
   return sum;
 }
 
@@ -245,10 +247,12 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
     held->indexed = e.indexed != 0;
     held->factored_scales = e.factored_scales != 0;
     held->mins = e.mins != 0;
+    held->e4m3_scales = e.e4m3_scales != 0;
     std::memcpy(held->levels.data(), e.levels, kLevels);
   } else {
     static const int8_t none[kLevels] = {};
-    if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || std::memcmp(e.levels, none, kLevels) != 0)
+    if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || e.e4m3_scales != 0 ||
+        std::memcmp(e.levels, none, kLevels) != 0)
       return what + "a held layout the format lacks";
   }
   const HeldLayouts* layouts = format.held_layouts;
@@ -282,10 +286,12 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
     e.rows = src.rows, e.k = src.k, e.scale_group = src.scale_group, e.has_zeros = src.has_zeros;
     e.group_bytes = src.group_bytes, e.group_scale_bytes = src.group_scale_bytes;
     e.indexed = src.held.indexed, e.factored_scales = src.held.factored_scales, e.mins = src.held.mins;
+    e.e4m3_scales = src.held.e4m3_scales;
     std::memcpy(e.levels, src.held.levels.data(), kLevels);
     sizes.values[p] = uint64_t(E) * src.expert_value_bytes();
     sizes.scales[p] = uint64_t(E) * src.expert_scale_bytes();
     sizes.zeros[p] = src.has_zeros ? sizes.scales[p] : 0;
+    sizes.factors[p] = uint64_t(E) * sizeof(float);
     sizes.biases[p] = biases[p]->size() * sizeof(float);
   }
   sizes.packed = uint64_t(E);
@@ -296,6 +302,7 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
     h.projections[p].values = layout.values[p];
     h.projections[p].scales = layout.scales[p];
     h.projections[p].zeros = layout.zeros[p];
+    h.projections[p].factors = layout.factors[p];
     h.biases[p] = layout.biases[p];
   }
   h.packed = layout.packed, h.meta = layout.meta, h.file_bytes = layout.file_bytes;
@@ -303,10 +310,13 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
   NewFile file(path);
   const uint8_t* parts[3][3];
   const uint8_t* bias_data[3];
+  const uint8_t* factor_data[3];
   for (int p = 0; p < 3; ++p) {
     const PackedProjection& src = *projections[p];
     parts[p][0] = src.values.data(), parts[p][1] = src.scales.data(), parts[p][2] = src.zeros.data();
     bias_data[p] = reinterpret_cast<const uint8_t*>(biases[p]->data());
+    factor_data[p] = reinterpret_cast<const uint8_t*>(src.factors.data());
+    file.write(factor_data[p], h.projections[p].factors.bytes, h.projections[p].factors.offset);
     for (int part = 0; part < 3; ++part) {
       const Section section = part_of(h.projections[p], part);
       const uint64_t bytes = slot_bytes(h.projections[p], part);
@@ -323,7 +333,7 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
   }
   file.write(w.packed.data(), E, h.packed.offset);
   file.write(meta.data(), meta.size(), h.meta.offset);
-  h.content_checksum = content_checksum(h, w.packed.data(), parts, bias_data);
+  h.content_checksum = content_checksum(h, w.packed.data(), parts, bias_data, factor_data);
   h.header_checksum = header_checksum(h, w.packed.data(), reinterpret_cast<const uint8_t*>(meta.data()));
   file.write(&h, sizeof(h), 0);
   file.finish(h.file_bytes);
@@ -378,6 +388,7 @@ std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoE
     sizes.values[p] = uint64_t(E) * slot_bytes(e, 0);
     sizes.scales[p] = uint64_t(E) * slot_bytes(e, 1);
     sizes.zeros[p] = e.has_zeros ? sizes.scales[p] : 0;
+    sizes.factors[p] = uint64_t(E) * sizeof(float);
     const uint64_t bias_bytes = uint64_t(E) * packed_groups(e.rows) * kGroupRows * sizeof(float);
     if (h.biases[p].bytes != 0 && h.biases[p].bytes != bias_bytes) return "biases of another size";
     sizes.biases[p] = h.biases[p].bytes;
@@ -388,7 +399,7 @@ std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoE
   for (int p = 0; p < 3; ++p)
     placed = placed && same(layout.values[p], h.projections[p].values) &&
              same(layout.scales[p], h.projections[p].scales) && same(layout.zeros[p], h.projections[p].zeros) &&
-             same(layout.biases[p], h.biases[p]);
+             same(layout.factors[p], h.projections[p].factors) && same(layout.biases[p], h.biases[p]);
   if (!placed) return "sections that are not where the layout puts them";
   for (int slot = 0; slot < E; ++slot) {
     if (packed[slot] > 1) return "a damaged packed mask";
@@ -397,11 +408,13 @@ std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoE
   }
   const uint8_t* parts[3][3];
   const uint8_t* bias_data[3];
+  const uint8_t* factor_data[3];
   for (int p = 0; p < 3; ++p) {
     for (int part = 0; part < 3; ++part) parts[p][part] = bytes + part_of(h.projections[p], part).offset;
     bias_data[p] = bytes + h.biases[p].offset;
+    factor_data[p] = bytes + h.projections[p].factors.offset;
   }
-  if (verify_content && content_checksum(h, packed, parts, bias_data) != h.content_checksum)
+  if (verify_content && content_checksum(h, packed, parts, bias_data, factor_data) != h.content_checksum)
     return "content checksum mismatch (the weights changed on disk)";
 
   // Checked: the engine's weights become views of the file.
@@ -419,6 +432,8 @@ std::string map_packed_file(const std::string& path, ExpertWeights& w, const MoE
       dst.zeros.view(parts[p][2], e.zeros.bytes, mapping);
     else
       dst.zeros.release();
+    dst.factors.resize(E);
+    std::memcpy(dst.factors.data(), factor_data[p], h.projections[p].factors.bytes);
     const float* bias = reinterpret_cast<const float*>(bias_data[p]);
     biases[p]->assign(bias, bias + h.biases[p].bytes / sizeof(float));
   }

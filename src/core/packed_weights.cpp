@@ -70,6 +70,7 @@ void PackedProjection::allocate(const FormatTraits& format, int experts, int row
       layouts ? layouts->group_scale_bytes(held, k, scale_group) : format.group_scale_bytes(k, scale_group);
   values.reserve(size_t(experts) * expert_value_bytes());
   scales.reserve(size_t(experts) * expert_scale_bytes());
+  factors.assign(experts, 1.0f);
   has_zeros = zero_points;
   if (has_zeros) zeros.reserve(size_t(experts) * expert_scale_bytes());
 }
@@ -97,6 +98,8 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   if (held.indexed) groups.levels = held.levels.data();
   groups.factored_scales = held.factored_scales;
   groups.mins = held.mins;
+  groups.e4m3_scales = held.e4m3_scales;
+  if (size_t(expert) < factors.size()) groups.scale_factor = factors[expert];
   return groups;
 }
 
@@ -131,7 +134,7 @@ void pack_matrix(const FormatTraits& format, SourceProjection src, size_t matrix
   const uint8_t* matrix_scales = scales ? scales + matrix * rows * scales_per_row * format.scale_bytes() : nullptr;
   if (format.held_layouts)
     format.held_layouts->pack(dst.held, values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert),
-                              dst.expert_scales(expert));
+                              dst.expert_scales(expert), &dst.factors[expert]);
   else
     format.pack(values, matrix_scales, rows, k, src.scale_group, dst.expert_values(expert), dst.expert_scales(expert));
   if (src.zeros != nullptr)

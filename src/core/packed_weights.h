@@ -45,6 +45,7 @@ struct PackedProjection {
   PackedBytes zeros;           // zero points (kernels.h), group_scale_bytes per group
   bool has_zeros = false;
   HeldLayout held;  // where the format chooses by the data (FormatTraits::held_layouts)
+  std::vector<float> factors;  // per expert: its outputs' factor (PackedGroups::scale_factor)
 
   // scale_group: the inputs per scale of the source (FormatTraits); zero_points: the source has them;
   // held: the layout the format chose for the data (held_layout).

@@ -26,11 +26,13 @@ from pathlib import Path
 from . import formats
 from .bench_common import (
     DECODE_MAX_TOKENS,
+    NVFP4_ENTRY,
     SHAPES,
     build_label,
     call_inputs,
     format_of,
     load_bench_weights,
+    method_of,
     opt,
     progress,
     random_weights,
@@ -146,7 +148,10 @@ def torch_format(fmt: str) -> str:
 
 def bench_format(text: str) -> str:
     """--format's entries: a format's name, ``name:G`` for a format that offers a choice of group
-    size (``fp8:16`` runs NVFP4's blocks, ``fp8:32`` MXFP8's), or ``gguf:TYPE`` (a ggml type)."""
+    size (``fp8:16`` runs NVFP4's blocks, ``fp8:32`` MXFP8's), ``gguf:TYPE`` (a ggml type), or
+    ``nvfp4`` (method NVFP4 on weights quantized as ModelOpt does: held as GGUF)."""
+    if text.lower() == NVFP4_ENTRY:
+        return NVFP4_ENTRY
     name, _, group = text.lower().partition(":")
     choices = [f.lower() for f in formats.FORMATS]
     if name not in choices:
@@ -203,7 +208,7 @@ def run_worker(args: argparse.Namespace) -> dict:
             moe = KTMoEWrapper(
                 layer_idx=0, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
                 moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
-                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=format_of(fmt).name,
+                threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=method_of(fmt),
                 int8_activations=mode == "int8",
             )  # fmt: skip
             load_bench_weights(moe, fmt, gate, up, down)
@@ -329,7 +334,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--format", nargs="+", type=bench_format, default=choices, metavar="FORMAT",
         help=f"{', '.join(choices)}, or name:G for scale groups of G ({', '.join(formats.GROUP_CHOICE)}; "
-        "fp8:16: NVFP4's blocks, fp8:32: MXFP8's; gguf alone: Q4_K_M's mix; gguf:TYPE: a ggml type's kind, "
+        "fp8:16: NVFP4's blocks held as FP8, fp8:32: MXFP8's; nvfp4: method NVFP4, held as GGUF; "
+        "gguf alone: Q4_K_M's mix; gguf:TYPE: a ggml type's kind, "
         "e.g. gguf:q6_k)",
     )  # fmt: skip
     parser.add_argument(

@@ -81,9 +81,38 @@ GGUF_BENCH_LAYOUT = {
 PROJECTIONS = ("gate", "up", "down")
 
 
+#: The bench entry of method NVFP4: weights quantized as ModelOpt does (nvfp4_bench_tensor), held
+#: as GGUF (formats.nvfp4_as_gguf).
+NVFP4_ENTRY = "nvfp4"
+
+
 def format_of(fmt: str) -> formats.WeightFormat:
-    """The format of a bench format entry: a format's name, or ``name:G`` (its scale groups of G)."""
-    return formats.get(fmt.split(":")[0])
+    """The format of a bench format entry: a format's name, or ``name:G`` (its scale groups of G);
+    ``nvfp4``: the format the engine holds it in."""
+    return formats.GGUF if fmt == NVFP4_ENTRY else formats.get(fmt.split(":")[0])
+
+
+def method_of(fmt: str) -> str:
+    """The method a bench format entry loads with."""
+    return formats.NVFP4_METHOD if fmt == NVFP4_ENTRY else format_of(fmt).name
+
+
+def nvfp4_bench_tensor(weight):
+    """A float weight [E, N, K] quantized as ModelOpt quantizes NVFP4 (an fp32 scale per matrix: its
+    largest magnitude / (6 * 448); an E4M3 scale per 16 inputs; the nearest E2M1 values), as
+    formats.nvfp4_to_fp8 gives it to load_weights_from_tensors."""
+    import torch
+
+    w = weight.float()
+    global_scale = (w.abs().amax(dim=(-2, -1)) / (6 * formats.FP8_MAX)).clamp(min=2**-100)
+    blocks = w.reshape(*w.shape[:-1], -1, formats.NVFP4_BLOCK)
+    block_scale = (blocks.abs().amax(dim=-1) / 6 / global_scale[:, None, None]).clamp(max=formats.FP8_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn)
+    step = block_scale.float() * global_scale[:, None, None]
+    scaled = blocks / torch.where(step > 0, step, torch.ones_like(step))[..., None]
+    index = torch.bucketize(scaled.abs(), formats._E2M1_MIDPOINTS).to(torch.uint8)
+    codes = (index | ((scaled < 0).to(torch.uint8) << 3)).reshape(w.shape)
+    return formats.nvfp4_to_fp8(formats._pack_nibbles(codes), block_scale.view(torch.uint8), global_scale)
 
 
 def gguf_layout(fmt: str, projection: str) -> GgufBenchKind | None:
@@ -144,6 +173,8 @@ def weight_bytes(fmt: str) -> float:
     """Bytes per weight, scales included, over the three projections (of one size each): group scales
     at the bench's group (the largest, the one quantize-on-load picks for every shape here, but
     GGUF's and a given G), a scale per row counted as negligible; GGUF's as its kinds are held."""
+    if fmt == NVFP4_ENTRY:
+        return 0.5 + 1 / formats.NVFP4_BLOCK
     f = format_of(fmt)
     if not f.group_scales:
         return f.value_bits / 8
@@ -161,6 +192,10 @@ def weight_bytes(fmt: str) -> float:
 def load_bench_weights(moe, fmt: str, gate, up, down) -> None:
     """Float weights quantized on load, or in the bench's groups and bits (GGUF, name:G)."""
     f = format_of(fmt)
+    if fmt == NVFP4_ENTRY:
+        (gv, gs), (uv, us), (dv, ds) = (nvfp4_bench_tensor(w) for w in (gate, up, down))
+        moe.load_weights_from_tensors(gv, uv, dv, gate_scale=gs, up_scale=us, down_scale=ds)
+        return
     if bench_group(fmt, "gate") is None:
         moe.load_weights_from_tensors(gate, up, down)
         return

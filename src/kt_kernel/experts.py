@@ -107,6 +107,11 @@ class KTMoEWrapper:
             setattr(self, name, value)
         # A GGUF model's float experts under method GGUF are held as BF16 (checkpoint.engine_format).
         self._format = formats.get(checkpoint.engine_format(weight_path, self.layer_idx, method))
+        # Method NVFP4 is read as FP8 (nvfp4_to_fp8) and held as GGUF: 4-bit indices, E4M3 scales.
+        nvfp4 = formats.nvfp4_held_as_gguf(method, hidden_size, moe_intermediate_size)
+        self._read_format = self._format.name
+        if nvfp4:
+            self._format = formats.GGUF
         self._format.check_dimensions(
             {"hidden_size": hidden_size, "moe_intermediate_size": moe_intermediate_size}
         )
@@ -130,7 +135,7 @@ class KTMoEWrapper:
         )  # fmt: skip
         self._weights = LayerWeights(
             self._format, self._subpools, num_experts, hidden_size, moe_intermediate_size, layer_idx,
-            skip_gpu_expert_cpu_copy, cache,
+            skip_gpu_expert_cpu_copy, cache, nvfp4,
         )  # fmt: skip
         # Deferred experts run as a second call of this layer, on the same weights and threads; their
         # output goes into the next call's output (kt_kernel.deferred).
@@ -255,7 +260,7 @@ class KTMoEWrapper:
         with self._lock:
             self._require_idle("load weights")
             self._weights.load_checkpoint(
-                self.weight_path, slot_map, self._gpu_experts_mask, self.weight_format, self.method
+                self.weight_path, slot_map, self._gpu_experts_mask, self._read_format, self.method
             )
 
     # ---- forward ------------------------------------------------------------------------------
@@ -320,7 +325,7 @@ class KTMoEWrapper:
                 self._weights.load_handed_back(
                     self.weight_path,
                     self._gpu_experts_mask,
-                    self.weight_format,
+                    self._read_format,
                     lambda: self._require_idle(idle, deferred_too=False),
                 )
             if stream is None:

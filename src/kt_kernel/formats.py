@@ -66,6 +66,55 @@ def nvfp4_to_fp8(
     return codes, (block_scales.view(torch.float8_e4m3fn).float() * scale).contiguous()
 
 
+#: The method whose FP8-coded tensors (nvfp4_to_fp8's) the engine holds in the GGUF format (nvfp4_as_gguf).
+NVFP4_METHOD = "NVFP4"
+#: E4M3 code -> twice the E2M1 value it codes (gguf_blocks.E2M1_DOUBLED's levels); _NOT_E2M1 for the
+#: codes of no E2M1 value.
+_NOT_E2M1 = 127
+_E2M1_CODE_DOUBLED = torch.full((256,), _NOT_E2M1, dtype=torch.int8)
+_E2M1_CODE_DOUBLED[_E2M1_AS_E4M3.long()] = (2 * _E2M1_SIGNED).to(torch.int8)
+
+
+def nvfp4_held_as_gguf(method: str, hidden: int, intermediate: int) -> bool:
+    """Whether the engine holds weights of ``method`` in the GGUF format: NVFP4 where its sizes are
+    multiples of GGUF's (nvfp4_as_gguf; else as FP8, a byte per weight)."""
+    return (
+        method.upper() == NVFP4_METHOD
+        and hidden % GGUF.k_multiple == 0
+        and intermediate % GGUF.k_multiple == 0
+    )
+
+
+def nvfp4_as_gguf(
+    name: str, codes: torch.Tensor, scale_name: str, scales: torch.Tensor, first_expert: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 as nvfp4_to_fp8 gives it, E4M3 codes of E2M1 values ``[..., N, K]`` and float32 scales
+    ``[..., N, K/16]`` (checked as FP8's), -> the GGUF format's canonical tensors, exactly: each
+    value doubled (int8, ggml's E2M1 levels) and the pairs (scale / 2, 0). The engine holds them as
+    4-bit indices with, where every scale of a matrix is an E4M3 value times one fp32 (NVFP4's two
+    scales), those E4M3 bytes and that fp32 (src/core/kernels.h): NVFP4's own bytes. ValueError
+    naming the tensor for a code of no E2M1 value or scales not one per 16 inputs."""
+    codes, scales = FP8.stored(name, codes, scale_name, scales, first_expert)
+    k = codes.shape[-1]
+    if tuple(scales.shape) != (*codes.shape[:-1], k // NVFP4_BLOCK) or k % NVFP4_BLOCK:
+        raise ValueError(
+            f"{scale_name} must hold one scale per {NVFP4_BLOCK} inputs for method NVFP4 "
+            f"({list(codes.shape[:-1]) + [k // NVFP4_BLOCK]}), got {list(scales.shape)}"
+        )
+    values = torch.empty(codes.shape, dtype=torch.int8)
+    ext.map_bytes(codes, _E2M1_CODE_DOUBLED.view(torch.uint8), values.view(torch.uint8))  # one pass
+    where = first_byte_index(values.view(torch.uint8), 0xFF, _NOT_E2M1, first_expert)
+    if where is not None:
+        code = int(codes[tuple([where[0] - first_expert, *where[1:]])])
+        raise ValueError(
+            f"{name} holds the FP8 code 0x{code:02X} at index {where}: no E2M1 value (method NVFP4 takes "
+            "nvfp4_to_fp8's codes)"
+        )
+    half = scales * 0.5  # exact: the levels are the values doubled
+    pairs = torch.stack([half, torch.zeros_like(half)], dim=-1).reshape(*scales.shape[:-1], -1)
+    return values, pairs.contiguous()
+
+
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes [..., K] (uint8) -> [..., K/2] bytes, the even k in the low nibble."""
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()

@@ -59,11 +59,15 @@ class GgufLayout:
     indexed: bool
     factored: bool
     mins: bool
+    #: The scales as unsigned E4M3 bytes (NVFP4's), with an fp32 factor per matrix (no mins).
+    e4m3: bool = False
 
 
 def gguf_group_bytes(k: int, group: int, layout: GgufLayout) -> tuple[int, int]:
     """(value bytes, scale bytes) of one group of ROWS GGUF rows of k inputs, scale group ``group``."""
     values = k // (2 if layout.indexed else 1) * ROWS
+    if layout.e4m3:
+        return values, k // group * ROWS
     entries = (k // group) * (2 if layout.mins else 1) * ROWS
     if not layout.factored:
         return values, entries * FLOAT_BYTES
@@ -83,11 +87,24 @@ def projection_bytes(
     """The bytes ``packed_bytes()`` counts for one projection: ``experts`` matrices of ``rows`` x
     ``k`` in format ``format_name`` (a name of formats.FORMATS), with ``group`` inputs per scale (0:
     one per row), zero points or not, and for GGUF the layout the engine chose."""
+    factors = 0
     if format_name == "GGUF":
         values, scales = gguf_group_bytes(k, group, layout)
+        factors = experts * FLOAT_BYTES if layout.e4m3 else 0  # one fp32 per matrix
     else:
         values, scales = _GROUP_BYTES[format_name](k, group)
-    return experts * _ceil_div(rows, ROWS) * (values + scales * (1 + zero_points))
+    return experts * _ceil_div(rows, ROWS) * (values + scales * (1 + zero_points)) + factors
+
+
+#: How the engine holds method NVFP4 (formats.nvfp4_as_gguf): GGUF's 4-bit indices, E4M3 scales.
+NVFP4_LAYOUT = GgufLayout(indexed=True, factored=False, mins=False, e4m3=True)
+
+
+def nvfp4_bytes(experts: int, rows: int, k: int) -> int:
+    """The bytes of one NVFP4 projection held as GGUF (NVFP4_LAYOUT): half a byte per weight, a byte
+    per 16 inputs of a row, an fp32 per matrix: at most the file's (its fp32 weight_scale_2 per
+    matrix), as long as rows fill whole groups of ROWS."""
+    return projection_bytes("GGUF", experts, rows, k, 16, layout=NVFP4_LAYOUT)
 
 
 def gguf_most_bytes(experts: int, rows: int, k: int, group: int, indexed: bool, mins: bool) -> int:

@@ -13,7 +13,7 @@ import torch
 from . import checkpoint
 from .expert_cache import ExpertCache
 from .expert_weights import check_slot_map, prepare, prepare_biases, subpool_slice
-from .formats import WeightFormat
+from .formats import WeightFormat, nvfp4_as_gguf
 
 #: load_weights reads and packs a layer in this many parts (a part: 1/16 of the experts or one), so
 #: that it needs about one part's tensors of memory beyond the packed layer.
@@ -28,9 +28,12 @@ class LayerWeights:
     """What a layer's engines hold and how it was loaded (the wrapper serializes every call)."""
 
     def __init__(self, fmt: WeightFormat, subpools: list[Any], num_experts: int, hidden: int, inter: int,
-                 layer_idx: int, skip_gpu_copy: bool, cache: ExpertCache | None = None) -> None:  # fmt: skip
+                 layer_idx: int, skip_gpu_copy: bool, cache: ExpertCache | None = None,
+                 nvfp4: bool = False) -> None:  # fmt: skip
         self.format, self.subpools = fmt, subpools
         self.cache = cache  # mmap_experts_dir (kt_kernel.expert_cache), or None
+        # Method NVFP4 held as GGUF: its tensors (nvfp4_to_fp8's, or read so) converted on load.
+        self.nvfp4 = nvfp4
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.layer_idx, self.skip_gpu_copy = layer_idx, skip_gpu_copy
         self.loaded = False
@@ -69,6 +72,12 @@ class LayerWeights:
         one part after start() (-1: a slot of another part), whose tensors hold the experts from
         ``first_expert`` on."""
         part = gpu_mask is None
+        if self.nvfp4 and all(tensors.get(name) is not None for name in _SCALES):
+            tensors = dict(tensors)
+            for name in ("gate", "up", "down"):
+                tensors[name], tensors[name + "_scale"] = nvfp4_as_gguf(
+                    name + "_proj", tensors[name], name + "_scale", tensors[name + "_scale"], first_expert
+                )
         gate, up, down = tensors["gate"], tensors["up"], tensors["down"]
         canonical, slot_map = prepare(
             self.format,

@@ -25,7 +25,7 @@ from . import formats
 from .checkpoint import read_manifest
 from .gguf_blocks import BLOCK_TYPES, BlockType
 from .gguf_file import FLOAT_FORMAT, FLOAT_TYPES, GGUF_FORMAT, PROJECTIONS, GGUFModel, is_gguf_checkpoint
-from .held_bytes import gguf_most_bytes, projection_bytes
+from .held_bytes import gguf_most_bytes, nvfp4_bytes, projection_bytes
 from .safetensors_io import DTYPE_BITS, CheckpointError, index_checkpoint, read_safetensors_header
 from .sources import ExpertSource, MoELayer, require_source_format, stored_format
 
@@ -95,7 +95,7 @@ def estimate(path: str | Path, method: str | None = None) -> MemoryEstimate:
     manifest = read_manifest(path)
     if manifest is not None:
         return _converted_estimate(path, manifest, fmt)
-    return _source_estimate(path, fmt)
+    return _source_estimate(path, fmt, method)
 
 
 def gguf_bound(block: BlockType, experts: int, rows: int, k: int) -> int:
@@ -175,7 +175,9 @@ def _converted_estimate(path: Path, manifest: dict, fmt: formats.WeightFormat | 
     return result
 
 
-def _source_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstimate:
+def _source_estimate(
+    path: Path, fmt: formats.WeightFormat | None, method: str | None = None
+) -> MemoryEstimate:
     if fmt is not None:
         require_source_format(path, fmt)
     files = index_checkpoint(path)
@@ -198,15 +200,28 @@ def _source_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEsti
             if fmt is not None and fmt is not held_as:
                 raise ValueError(f"{path} layer {layer} holds {held_as.name} experts, not {fmt.name}")
             result = result or MemoryEstimate(str(path), held_as.name)
-            for file_bytes, held, exact in _source_projections(source, described, held_as, stored):
-                result.add("+".join(sorted(described.dtypes)), held_as.name, layer, file_bytes, held, exact)
+            # NVFP4 under its own method (the default) is held as GGUF (formats.nvfp4_held_as_gguf).
+            nvfp4 = (
+                formats.nvfp4_held_as_gguf(
+                    method or formats.NVFP4_METHOD, described.hidden, described.intermediate
+                )
+                and "NVFP4" in described.dtypes
+            )
+            held_name = formats.GGUF.name if nvfp4 else held_as.name
+            for file_bytes, held, exact in _source_projections(source, described, held_as, stored, nvfp4):
+                result.add("+".join(sorted(described.dtypes)), held_name, layer, file_bytes, held, exact)
     return result
 
 
 def _source_projections(
-    source: ExpertSource, layer: MoELayer, held_as: formats.WeightFormat, stored: dict[str, int]
+    source: ExpertSource,
+    layer: MoELayer,
+    held_as: formats.WeightFormat,
+    stored: dict[str, int],
+    nvfp4: bool = False,
 ) -> Iterator[tuple[int, int, bool]]:
-    """Per projection of a Hugging Face layer: (file bytes, held bytes, exact)."""
+    """Per projection of a Hugging Face layer: (file bytes, held bytes, exact); ``nvfp4``: its NVFP4
+    weights held as GGUF."""
     experts, hidden, inter = layer.experts, layer.hidden, layer.intermediate
     for p, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter))):
         key = source.key(p, layer.index, 0)
@@ -215,7 +230,10 @@ def _source_projections(
             continue
         bases = (source.key(p, layer.index, e).removesuffix("weight") for e in range(experts))
         group, zero_points = _source_group(source, key, rows, k)
-        held = projection_bytes(held_as.name, experts, rows, k, group, zero_points)
+        if nvfp4 and source._checked_header(key)[0] == "NVFP4":
+            held = nvfp4_bytes(experts, rows, k)
+        else:
+            held = projection_bytes(held_as.name, experts, rows, k, group, zero_points)
         yield sum(stored[base] for base in bases), held, not zero_points
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from . import formats
 from .arguments import require_addresses, require_int
 from .formats import FP8_BLOCK, WeightFormat
 
@@ -50,6 +51,20 @@ def _fp8_blocks(scales: torch.Tensor, group: int) -> torch.Tensor:
     return first
 
 
+def _nvfp4_scales(pairs: torch.Tensor, group: int) -> torch.Tensor:
+    """GGUF's (scale / 2, 0) pairs of method NVFP4 (formats.nvfp4_as_gguf) -> the fp32 scales it was
+    loaded with (nvfp4_to_fp8's), exactly."""
+    return (pairs[:, 0::2] * 2).contiguous()
+
+
+#: Method NVFP4's values held as GGUF (twice the E2M1 value, int8 as uint8) -> the E4M3 codes it was
+#: loaded with (nvfp4_to_fp8's; -0 comes back as +0, the same weight).
+_NVFP4_CODES = np.zeros(256, np.uint8)
+for _value, _code in zip(formats._E2M1_SIGNED.tolist()[:8], formats._E2M1_AS_E4M3.tolist()[:8], strict=True):
+    _NVFP4_CODES[np.int8(2 * _value).view(np.uint8)] = _code
+    _NVFP4_CODES[np.int8(-2 * _value).view(np.uint8)] = _code | 0x80 if _value else _code
+
+
 @dataclass(frozen=True)
 class UpstreamLayout:
     """How a method's write-back differs from the canonical layout."""
@@ -63,6 +78,8 @@ class UpstreamLayout:
     scale_group: int | None = None
     #: The converter may refuse the values of the scales: written only once every part is converted.
     refuses_data: bool = False
+    #: Every value byte b written as values_map[b] (method NVFP4: its E4M3 codes), or None.
+    values_map: np.ndarray | None = None
 
 
 UPSTREAM_LAYOUTS: dict[str, UpstreamLayout] = {
@@ -71,11 +88,16 @@ UPSTREAM_LAYOUTS: dict[str, UpstreamLayout] = {
     # codes as stored; fp32 block scales
     "FP8": UpstreamLayout(scales=_fp8_blocks, part_rows=FP8_BLOCK, scale_group=FP8_BLOCK, refuses_data=True),
     "FP8_PERCHANNEL": UpstreamLayout(scale_group=0),  # codes as stored; fp32 per row
+    # held as GGUF (formats.nvfp4_as_gguf): written as loaded, nvfp4_to_fp8's E4M3 codes and fp32 scales
+    "NVFP4": UpstreamLayout(scales=_nvfp4_scales, values_map=_NVFP4_CODES),
 }
 CANONICAL = UpstreamLayout()
 
 
-def layout_of(method: str) -> UpstreamLayout:
+def layout_of(method: str, fmt: WeightFormat | None = None) -> UpstreamLayout:
+    """The layout of ``method`` for weights held in ``fmt`` (NVFP4's entry: where held as GGUF)."""
+    if method.upper() == formats.NVFP4_METHOD and fmt is not formats.GGUF:
+        return CANONICAL
     return UPSTREAM_LAYOUTS.get(method.upper(), CANONICAL)
 
 
@@ -200,6 +222,11 @@ def write_expert(
             for address, count in ((w13[r], 2 * part * h_bytes), (w2[r], H * part_bytes)):
                 values = _host_bytes(address, count)
                 np.bitwise_xor(values, layout.values_xor, out=values)
+    if layout.values_map is not None:
+        for r in range(tp):
+            for address, count in ((w13[r], 2 * part * h_bytes), (w2[r], H * part_bytes)):
+                values = _host_bytes(address, count)
+                np.take(layout.values_map, values, out=values)
 
 
 def _parts(weights: LayerWeights, gpu_tp_count: object) -> int:
@@ -215,7 +242,12 @@ def layer_buffer_nbytes(weights: LayerWeights, method: str, gpu_tp_count: object
     """buffer_nbytes for a loaded layer (KTMoEWrapper.write_buffer_nbytes)."""
     tp = _parts(weights, gpu_tp_count)
     return buffer_nbytes(
-        weights.format, layout_of(method), tp, weights.hidden, weights.inter, weights.scale_groups
+        weights.format,
+        layout_of(method, weights.format),
+        tp,
+        weights.hidden,
+        weights.inter,
+        weights.scale_groups,
     )
 
 
@@ -251,7 +283,7 @@ def write_layer_expert(
         )
     write_expert(
         fmt,
-        layout_of(method),
+        layout_of(method, fmt),
         weights.subpools,
         weights.hidden,
         weights.inter,

@@ -111,6 +111,93 @@ bool scales_factor(const float* pairs, size_t rows, int k, int scale_group, bool
   });
 }
 
+// ---- E4M3 scales (NVFP4's): every scale of a matrix fl(value(byte) * factor), byte an unsigned E4M3
+// code, one fp32 factor per matrix.
+
+// The values of the unsigned E4M3 codes 0 .. 0x7E (0x7F: NaN), increasing; as the kernels decode them.
+struct E4m3Values {
+  float of[0x7F];
+  E4m3Values() {
+    for (int b = 0; b < 0x7F; ++b) {
+      const int e = b >> 3, m = b & 7;
+      of[b] = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+    }
+  }
+};
+const E4m3Values kE4m3;
+constexpr int kE4m3Top = 0x7E;  // 448
+
+// The code whose value times `factor` is `scale`, bit for bit, or -1: the code nearest scale / factor
+// from its bits (a load checks every scale of a layer this way, several times), or a neighbour.
+int e4m3_code(float scale, float factor) {
+  const float q = scale / factor;
+  if (!(q >= 0.0f && q < 2 * kE4m3.of[kE4m3Top])) return -1;
+  int at;
+  if (q < 0x1p-6f) {
+    at = int(std::nearbyint(q * 512.0f));  // the subnormal codes m * 2^-9, and code 8 (2^-6)
+  } else {
+    const uint32_t bits = std::bit_cast<uint32_t>(q);
+    at = (int(bits >> 23) - 127 + 7) * 8 + int((bits >> 20) & 7);  // the mantissa truncated
+  }
+  for (int b : {at, at + 1, at - 1})
+    if (b >= 0 && b <= kE4m3Top && std::bit_cast<uint32_t>(kE4m3.of[b] * factor) == std::bit_cast<uint32_t>(scale))
+      return b;
+  return -1;
+}
+
+// Whether every scale of n is an E4M3 code times `factor`.
+bool e4m3_factors(const float* pairs, size_t n, float factor) {
+  for (size_t i = 0; i < n; ++i)
+    if (e4m3_code(pairs[2 * i], factor) < 0) return false;
+  return true;
+}
+
+// A factor that makes every one of the n scales (pairs[2i]; mins all +0) an unsigned E4M3 code times
+// it, exactly, or 0. Where each scale is fl(code * g), a scale s of code c gives g to within 2 ulps as
+// s / (c's mantissa): candidates from each mantissa and those neighbours are complete, and a few
+// first distinct scales suffice. Each is scaled so that the largest scale is a code of exponent 8
+// (codes shifted up stay exact, subnormals included).
+float e4m3_factor(const float* pairs, size_t n) {
+  float top = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float s = pairs[2 * i];
+    if (!(s >= 0.0f) || std::bit_cast<uint32_t>(s) >> 31 || !std::isfinite(s)) return 0.0f;  // -0 too
+    top = std::max(top, s);
+  }
+  if (top == 0.0f) return 1.0f;  // every scale +0: code 0
+  constexpr int kTried = 4;
+  float tried[kTried];
+  int count = 0;
+  for (size_t i = 0; i < n && count < kTried; ++i) {
+    const float s = pairs[2 * i];
+    if (s == 0.0f || std::find(tried, tried + count, s) != tried + count) continue;
+    tried[count++] = s;
+    for (int m = 0; m < 8; ++m) {
+      float f = s / (1.0f + float(m) / 8.0f);
+      int e;
+      std::frexp(top / f, &e);  // top / f in [2^(e-1), 2^e): make it [256, 512)
+      f = std::ldexp(f, e - 9);
+      if (top / f > kE4m3.of[kE4m3Top]) f *= 2.0f;
+      if (!std::isnormal(f)) continue;
+      const uint32_t bits = std::bit_cast<uint32_t>(f);
+      for (int ulps : {0, -1, 1, -2, 2}) {
+        const float candidate = std::bit_cast<float>(bits + uint32_t(ulps));
+        if (std::isnormal(candidate) && e4m3_factors(pairs, n, candidate)) return candidate;
+      }
+    }
+  }
+  return 0.0f;
+}
+
+// Whether every matrix's scales are E4M3 codes times a factor of its own (no mins).
+bool e4m3_scales(const CanonicalMatrices& m) {
+  const float* pairs = reinterpret_cast<const float*>(m.scales);
+  const size_t per_matrix = size_t(m.rows) * (m.k / m.scale_group);
+  for (size_t i = 0; i < m.count; ++i)
+    if (e4m3_factor(pairs + 2 * i * per_matrix, per_matrix) == 0.0f) return false;
+  return true;
+}
+
 // Whether any min is other than +0 (the min a layout without mins gives back).
 bool has_mins(const float* pairs, size_t pair_count) {
   for (size_t i = 0; i < pair_count; ++i)
@@ -124,7 +211,8 @@ HeldLayout layout_of(const CanonicalMatrices& m) {
   const float* pairs = reinterpret_cast<const float*>(m.scales);
   layout.indexed = levels_of(reinterpret_cast<const int8_t*>(m.values), rows * m.k, layout.levels.data());
   layout.mins = has_mins(pairs, rows * (m.k / m.scale_group));
-  layout.factored_scales = scales_factor(pairs, rows, m.k, m.scale_group, layout.mins);
+  layout.e4m3_scales = !layout.mins && e4m3_scales(m);
+  layout.factored_scales = !layout.e4m3_scales && scales_factor(pairs, rows, m.k, m.scale_group, layout.mins);
   return layout;
 }
 
@@ -133,7 +221,8 @@ bool layout_holds(const HeldLayout& layout, const CanonicalMatrices& m) {
   const float* pairs = reinterpret_cast<const float*>(m.scales);
   return (!layout.indexed || within_levels(layout, reinterpret_cast<const int8_t*>(m.values), rows * m.k)) &&
          (layout.mins || !has_mins(pairs, rows * (m.k / m.scale_group))) &&
-         (!layout.factored_scales || scales_factor(pairs, rows, m.k, m.scale_group, layout.mins));
+         (!layout.factored_scales || scales_factor(pairs, rows, m.k, m.scale_group, layout.mins)) &&
+         (!layout.e4m3_scales || e4m3_scales(m));
 }
 
 size_t held_group_bytes(const HeldLayout& layout, int k) {
@@ -141,13 +230,23 @@ size_t held_group_bytes(const HeldLayout& layout, int k) {
 }
 
 size_t held_group_scale_bytes(const HeldLayout& layout, int k, int scale_group) {
+  if (layout.e4m3_scales) return gguf_e4m3_scale_bytes(k, scale_group);
   return gguf_group_scale_bytes(k, scale_group, layout.factored_scales, layout.mins);
 }
 
 // One 16-row group's scales and mins (kernels.h), from canonical pairs [rows][k / G][scale, min].
 void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, int scale_group, int g,
-                 uint8_t* group_scales) {
+                 uint8_t* group_scales, float matrix_factor) {
   const int groups = k / scale_group, entries = gguf_entries(layout.mins);
+  if (layout.e4m3_scales) {  // padding rows: code 0
+    std::memset(group_scales, 0, gguf_e4m3_scale_bytes(k, scale_group));
+    const size_t first_row = size_t(g) * kGroupRows, real_rows = std::min<size_t>(kGroupRows, rows - first_row);
+    for (size_t r = 0; r < real_rows; ++r)
+      for (int s = 0; s < groups; ++s)
+        group_scales[s * kGroupRows + r] =
+            uint8_t(e4m3_code(pairs[2 * ((first_row + r) * groups + s)], matrix_factor));
+    return;
+  }
   std::memset(group_scales, 0, gguf_group_scale_bytes(k, scale_group, layout.factored_scales, layout.mins));
   float* floats = reinterpret_cast<float*>(group_scales);
   const size_t first_row = size_t(g) * kGroupRows, real_rows = std::min<size_t>(kGroupRows, rows - first_row);
@@ -177,8 +276,11 @@ void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, 
 }
 
 void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* scale_bytes, int rows, int k,
-               int scale_group, uint8_t* packed, uint8_t* packed_scales) {
+               int scale_group, uint8_t* packed, uint8_t* packed_scales, float* matrix_factor) {
   const int8_t* q = reinterpret_cast<const int8_t*>(values);
+  const float* pairs = reinterpret_cast<const float*>(scale_bytes);
+  // Found again per matrix (layout_of checked that every matrix has one).
+  *matrix_factor = layout.e4m3_scales ? e4m3_factor(pairs, size_t(rows) * (k / scale_group)) : 1.0f;
   const size_t value_bytes = held_group_bytes(layout, k);
   const size_t scale_bytes_per_group = held_group_scale_bytes(layout, k, scale_group);
   uint8_t index_of[256] = {};  // level + 128 -> its first index
@@ -187,8 +289,7 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
   const uint8_t padding = layout.indexed ? uint8_t(index_of[kInt8Offset] * 0x11) : uint8_t(kInt8Offset);
   for (int g = 0; g < packed_groups(rows); ++g) {
     uint8_t* group = packed + g * value_bytes;
-    pack_scales(layout, reinterpret_cast<const float*>(scale_bytes), rows, k, scale_group, g,
-                packed_scales + g * scale_bytes_per_group);
+    pack_scales(layout, pairs, rows, k, scale_group, g, packed_scales + g * scale_bytes_per_group, *matrix_factor);
     std::memset(group, padding, value_bytes);
     for (int r = 0; r < kGroupRows && size_t(g) * kGroupRows + r < size_t(rows); ++r) {
       const int8_t* row = q + (size_t(g) * kGroupRows + r) * k;
@@ -208,6 +309,7 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
 // Row r's scale (entry 0) or packed min (entry 1, where held) of scale group s, from one group's
 // packed scales.
 float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, int s, int entry) {
+  if (w.e4m3_scales) return kE4m3.of[group_scales[s * kGroupRows + r]] * w.scale_factor;
   const float* floats = reinterpret_cast<const float*>(group_scales);
   const int at = gguf_entry_index(s, entry, w.mins) + r;
   if (!w.factored_scales) return floats[at];
