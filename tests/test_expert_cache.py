@@ -612,3 +612,29 @@ def test_the_cache_command_names_what_it_cannot_fill(model, tmp_path):
     assert result.returncode != 0 and "none of the layers asked for holds routed experts" in result.stderr
     result = fill_command(str(tmp_path / "nothing"), "--dir", str(tmp_path / "cache"))
     assert result.returncode != 0 and "neither a .gguf file nor a model directory" in result.stderr
+
+
+def test_the_environment_turns_the_cache_on_for_a_client_that_does_not_pass_it(model, tmp_path, monkeypatch):
+    """SGLang's integration builds the wrapper without mmap_experts_dir (its keyword set below):
+    KT_KERNEL_MMAP_EXPERTS_DIR makes its second launch map what its first wrote."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(expert_cache.DIR_ENV, str(cache))
+
+    def sglang_launch():
+        from kt_kernel import KTMoEWrapper
+
+        moe = KTMoEWrapper(
+            layer_idx=0, num_experts=EK, num_experts_per_tok=KK, hidden_size=HK, moe_intermediate_size=IK,
+            num_gpu_experts=0, cpuinfer_threads=2, threadpool_count=1, weight_path=str(model),
+            chunked_prefill_size=512, method="BF16", max_deferred_experts_per_token=0,
+        )  # fmt: skip
+        moe.load_weights()
+        return moe
+
+    first = sglang_launch()
+    assert not mapped(first) and len(packed_files(cache)) == 1 and first.mmap_experts_dir == str(cache)
+    second = sglang_launch()
+    assert mapped(second)
+    assert torch.equal(forward(second, EK, HK, 6), forward(first, EK, HK, 6))
+    monkeypatch.setenv(expert_cache.DIR_ENV, "")  # empty: no cache
+    assert key_wrapper(model, None).mmap_experts_dir is None

@@ -32,6 +32,9 @@ from .gguf_file import gguf_files, is_gguf_checkpoint, open_gguf
 CACHE_VERSION = 1
 #: Set (not 0) to check every mapped file's weights against their checksum (a read of the file).
 VERIFY_ENV = "KT_KERNEL_MMAP_VERIFY"
+#: The cache directory of wrappers built without ``mmap_experts_dir``: how a serving stack that does
+#: not pass the keyword (SGLang's integration files) turns the cache on.
+DIR_ENV = "KT_KERNEL_MMAP_EXPERTS_DIR"
 SUFFIX = ".ktpacked"
 #: A safetensors header longer than this is digested by its first bytes only (the load refuses it).
 _MAX_HEADER_BYTES = 100 << 20
@@ -39,9 +42,12 @@ _HASH_CHUNK = 1 << 20
 
 
 def open_cache(value: object) -> ExpertCache | None:
-    """KTMoEWrapper's ``mmap_experts_dir``, checked: None (no cache), or the directory (made if
-    missing). A path that is not a directory is refused; one that cannot be made warns and gives no
-    cache (the layers are packed into anonymous memory, as without one)."""
+    """KTMoEWrapper's ``mmap_experts_dir`` (None: the DIR_ENV variable, where set and not empty),
+    checked: None (no cache), or the directory (made if missing). A path that is not a directory is
+    refused; one that cannot be made warns and gives no cache (the layers are packed into anonymous
+    memory, as without one)."""
+    if value is None:
+        value = os.environ.get(DIR_ENV) or None
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):

@@ -70,6 +70,7 @@ class KTMoEWrapper:
     packed experts there, and a later load of the layer with the same key (source files, layer,
     format, experts in CPU memory, subpool split, build) maps them read-only instead of packing:
     shared between processes, no anonymous copy (kt_kernel.expert_cache, docs/expert-cache.md).
+    Without the keyword, the ``KT_KERNEL_MMAP_EXPERTS_DIR`` environment variable names it.
     """
 
     _capture_batch_sizes: ClassVar[list[int]] = []
