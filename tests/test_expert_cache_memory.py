@@ -17,6 +17,7 @@ from kt_kernel import expert_cache
 from conftest import REPO
 
 E, H, I = 16, 1024, 512  # BF16: 48 MiB packed
+SANITIZED = "asan" in os.environ.get("LD_PRELOAD", "")  # CI's sanitizer pass (ci/run_sanitizers.sh)
 
 HOLD = """
 import json, sys, time
@@ -91,7 +92,8 @@ def test_mapped_layers_are_shared_file_pages(model, tmp_path):
     try:
         for figures in (one, two):
             assert figures["mapped"]
-            assert figures["anon"] <= 0.05 * figures["packed"], figures
+            # Under AddressSanitizer the resident memory is also its allocator's (quarantine, shadow).
+            assert SANITIZED or figures["anon"] <= 0.05 * figures["packed"], figures
         pages = [file_pages(p.pid, expert_cache.SUFFIX) for p in (first, second)]
         for mine in pages:  # every page touched at the load (placed by first touch), half of each counted
             assert mine["Rss"] >= 0.95 * one["packed"], pages
