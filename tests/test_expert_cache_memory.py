@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_fp8 import write_model_dir
 
-from kt_kernel import expert_cache
+from kt_kernel.bench_load import cache_file_pages
 
 from conftest import REPO
 
@@ -68,18 +68,9 @@ def finish(launch: subprocess.Popen) -> None:
     assert launch.returncode == 0, err[-2000:]
 
 
-def file_pages(pid: int, suffix: str) -> dict[str, int]:
-    """Rss and Pss (bytes) of the process's mappings of files ending in ``suffix``."""
-    totals = {"Rss": 0, "Pss": 0}
-    inside = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
-                inside = len(fields) >= 6 and fields[-1].endswith(suffix)
-            elif inside and fields[0][:-1] in totals:
-                totals[fields[0][:-1]] += int(fields[1]) * 1024
-    return totals
+def file_pages(pid: int) -> dict[str, int]:
+    """Rss and Pss (bytes) of the process's mappings of the cache's files."""
+    return {field: kib * 1024 for field, kib in cache_file_pages(pid).items()}
 
 
 def test_mapped_layers_are_shared_file_pages(model, tmp_path):
@@ -94,7 +85,7 @@ def test_mapped_layers_are_shared_file_pages(model, tmp_path):
             assert figures["mapped"]
             # Under AddressSanitizer the resident memory is also its allocator's (quarantine, shadow).
             assert SANITIZED or figures["anon"] <= 0.05 * figures["packed"], figures
-        pages = [file_pages(p.pid, expert_cache.SUFFIX) for p in (first, second)]
+        pages = [file_pages(p.pid) for p in (first, second)]
         for mine in pages:  # every page touched at the load (placed by first touch), half of each counted
             assert mine["Rss"] >= 0.95 * one["packed"], pages
             assert mine["Pss"] <= 0.55 * mine["Rss"], pages
