@@ -75,6 +75,8 @@ struct Vec {
   static Int set1(int32_t v) { return _mm256_set1_epi32(v); }
   static Float set1_ps(float v) { return _mm256_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm256_and_si256(a, b); }
+  static Int or_(Int a, Int b) { return _mm256_or_si256(a, b); }
+  static Int add_epi8(Int a, Int b) { return _mm256_add_epi8(a, b); }
   static Int srli_epi32(Int a, int n) { return _mm256_srli_epi32(a, n); }
   static Int srli_epi16(Int a, int n) { return _mm256_srli_epi16(a, n); }
   static Int madd_epi16(Int a, Int b) { return _mm256_madd_epi16(a, b); }

@@ -58,6 +58,8 @@ struct Vec {
   static Int set1(int32_t v) { return _mm512_set1_epi32(v); }
   static Float set1_ps(float v) { return _mm512_set1_ps(v); }
   static Int and_(Int a, Int b) { return _mm512_and_si512(a, b); }
+  static Int or_(Int a, Int b) { return _mm512_or_si512(a, b); }
+  static Int add_epi8(Int a, Int b) { return _mm512_add_epi8(a, b); }
   static Int srli_epi32(Int a, int n) { return _mm512_srli_epi32(a, n); }
   static Int srli_epi16(Int a, int n) { return _mm512_srli_epi16(a, n); }
   static Int madd_epi16(Int a, Int b) { return _mm512_madd_epi16(a, b); }

@@ -26,10 +26,7 @@ void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, 
 }
 
 void gemm_gguf_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (w.levels != nullptr)
-    gemm_four_bit<GgufIndexedFormat<Vec>>(x, w, y, y_stride);
-  else
-    gemm_four_bit<GgufFormat<Vec>>(x, w, y, y_stride);
+  for_gguf_values<Vec>(w, [&]<class Format>() { gemm_four_bit<Format>(x, w, y, y_stride); });
 }
 
 double dpbusd_peak_probe(int64_t iterations) {

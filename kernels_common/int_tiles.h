@@ -3,8 +3,8 @@
 // product of that ISA (vpdpbusd, or its emulation by vpmaddwd / vpmaddubsw) and `FourBit` what a
 // 4-bit format adds (Int4Format, Mxfp4Format below). Layouts and weight offsets: kernels.h.
 //
-// V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, loadu_ps, set1, set1_ps, and_, srli_epi32,
-// slli_epi32, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, add_ps, storeu_ps, lookup16(table,
+// V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, loadu_ps, set1, set1_ps, and_, or_, srli_epi32,
+// slli_epi32, add_epi8, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, add_ps, storeu_ps, lookup16(table,
 // indices) (a byte per index < 16), e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
 // fp32 denormal 2^-127) and e4m3_to_float(kLanes bytes) (unsigned E4M3 codes, exactly).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
@@ -40,12 +40,14 @@ struct SumsInPlace {
 // (the kLanes rows' scales of group s).
 // kByteValues: values of a byte each (GGUF), an octet in two INT8-layout lines instead of one
 // line's nibbles; kIndexed: the nibbles index the weights' own 16 levels (w.levels: GGUF); kMins: a
-// min per scale group, added times the activations' sum (GGUF).
+// min per scale group, added times the activations' sum (GGUF); kPlaneLines: the nibble lines of a
+// unit of value planes (GGUF, 5 or 6 bits: kernels.h), 0 without planes.
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset, kMaxValue = 15;
   static constexpr float kValueScale = 1.0f;
   static constexpr bool kByteValues = false, kIndexed = false, kMins = false;
+  static constexpr int kPlaneLines = 0;
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
     return V::and_(bytes, low_nibbles);
   }
@@ -64,6 +66,7 @@ struct Mxfp4Format {
   static constexpr int kOffset = 12, kMaxValue = 24;
   static constexpr float kValueScale = 0.5f;
   static constexpr bool kByteValues = false, kIndexed = false, kMins = false;
+  static constexpr int kPlaneLines = 0;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
@@ -83,6 +86,7 @@ struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
   static constexpr float kValueScale = 1.0f;
   static constexpr bool kByteValues = true, kIndexed = false, kMins = true;
+  static constexpr int kPlaneLines = 0;
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   static typename V::Float scale(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
     return entry(w, group_scales, s, 0, first_row);
@@ -110,6 +114,24 @@ struct GgufFormat {
 template <class V>
 struct GgufIndexedFormat : GgufFormat<V> {
   static constexpr bool kByteValues = false, kIndexed = true;
+};
+
+// GGUF held as value planes of kBits (5 or 6) bits (kernels.h): per unit of kPlaneLines nibble
+// lines one plane line, shifted onto each half-line's nibbles; plus w.value_offset, q + 128.
+template <class V, int kBits>
+struct GgufPlanarFormat : GgufFormat<V> {
+  using Int = typename V::Int;
+  static constexpr bool kByteValues = false;
+  static constexpr int kPlaneLines = plane_lines(kBits), kHighBits = kBits - 4;
+  // The u8 values q + 128 of half n (0: low nibbles) of nibble line l of a unit: `nibbles` holds them
+  // in bits 0..3 of each byte (and anything above), `offset` w.value_offset in every byte. l and n
+  // are constants once the tile's line loop is unrolled: immediate shifts.
+  static Int values(Int nibbles, Int plane, int l, int n, Int low_nibbles, Int offset) {
+    const int at = kHighBits * (2 * l + n);  // the high bits' place in each plane byte
+    const Int high = at <= 4 ? V::slli_epi32(plane, 4 - at) : V::srli_epi32(plane, at - 4);
+    const Int high_mask = V::set1(((1 << kHighBits) - 1) * 0x10101010);
+    return V::add_epi8(V::or_(V::and_(nibbles, low_nibbles), V::and_(high, high_mask)), offset);
+  }
 };
 
 // The INT8 tile on int8 activations: one int32 sum takes a whole row (k <= kInt8MaxK, kernels.h).
@@ -312,8 +334,13 @@ struct IntTiles {
       // Every 4-bit scale group is whole runs of 4 lines (32 inputs).
       static constexpr int kLinesPerPartial = Dot::lines_per_partial(FourBit::kMaxValue);
       static_assert(4 % kLinesPerPartial == 0);
+      // Value planes: a step is one unit (its scale group holds whole units: gguf.cpp), on Dots
+      // that add into the sums (GGUF's byte values never take vpmaddubsw).
+      static constexpr int kLinesPerStep = FourBit::kPlaneLines > 0 ? FourBit::kPlaneLines : kLinesPerPartial;
+      static_assert(FourBit::kPlaneLines == 0 || kLinesPerPartial == 1);
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
         const Int low_nibbles = V::set1(kLowNibbles);
+        [[maybe_unused]] const Int value_offset = V::set1(int32_t(w.value_offset * 0x01010101u));
         const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
         Float acc[M][kVecs];
         KT_UNROLL
@@ -345,12 +372,27 @@ struct IntTiles {
             for (int i = 0; i < M; ++i)
               for (int p = 0; p < P; ++p)
                 for (int v = 0; v < kVecs; ++v) partial[i][p][v] = Dot::begin(part[i][p][v]);
+            // Value planes: the unit's lines from `unit` on, its plane line after them.
+            constexpr int kUnitLines = FourBit::kPlaneLines + 1;
+            [[maybe_unused]] const int unit = FourBit::kPlaneLines > 0 ? c / kLinesPerStep * kUnitLines : 0;
+            [[maybe_unused]] Int plane[kVecs];
+            if constexpr (FourBit::kPlaneLines > 0)
+              for (int v = 0; v < kVecs; ++v) {
+                prefetch_weights(w, v / kVecsPerGroup, line(w, v, unit + FourBit::kPlaneLines));
+                plane[v] = V::load(line(w, v, unit + FourBit::kPlaneLines));
+              }
             KT_UNROLL
-            for (int l = 0; l < kLinesPerPartial; ++l) {
+            for (int l = 0; l < kLinesPerStep; ++l) {
               const int j = c + l;
               typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8j..8j+3 and 8j+4..8j+7
               for (int v = 0; v < kVecs; ++v) {
-                if constexpr (FourBit::kByteValues) {
+                if constexpr (FourBit::kPlaneLines > 0) {
+                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, unit + l));
+                  const Int raw = V::load(line(w, v, unit + l));
+                  low[v] = Dot::weights(FourBit::values(raw, plane[v], l, 0, low_nibbles, value_offset));
+                  high[v] = Dot::weights(FourBit::values(V::srli_epi32(raw, 4), plane[v], l, 1, low_nibbles,
+                                                         value_offset));
+                } else if constexpr (FourBit::kByteValues) {
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j));
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j + 1));
                   low[v] = Dot::weights(V::load(line(w, v, 2 * j)));
@@ -380,7 +422,7 @@ struct IntTiles {
             for (int i = 0; i < M; ++i)
               for (int p = 0; p < P; ++p)
                 for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
-          } while ((c += kLinesPerPartial) < (s + 1) * lines_per_scale);
+          } while ((c += kLinesPerStep) < (s + 1) * lines_per_scale);
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
             // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32 (GGUF's mins).
@@ -509,12 +551,22 @@ void gemm_gguf_maddwd_of(const Activations& x, const PackedGroups& w, float* y, 
       [&](int t) { return QuantizedParts<1>{{tokens(t)}}; }, tokens.count, w, y, x.quantized.parts * y_stride, starts);
   zero_residual_outputs(x, w, y, y_stride);
 }
+// Calls run (a template lambda) with the GGUF format of w's held values.
+template <class V, class Run>
+void for_gguf_values(const PackedGroups& w, Run run) {
+  if (w.levels != nullptr)
+    run.template operator()<GgufIndexedFormat<V>>();
+  else if (w.value_bits == 6)
+    run.template operator()<GgufPlanarFormat<V, 6>>();
+  else if (w.value_bits == 5)
+    run.template operator()<GgufPlanarFormat<V, 5>>();
+  else
+    run.template operator()<GgufFormat<V>>();
+}
+
 template <class V, int MaxTokens, int NV>
 void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (w.levels != nullptr)
-    gemm_gguf_maddwd_of<V, MaxTokens, NV, GgufIndexedFormat<V>>(x, w, y, y_stride);
-  else
-    gemm_gguf_maddwd_of<V, MaxTokens, NV, GgufFormat<V>>(x, w, y, y_stride);
+  for_gguf_values<V>(w, [&]<class Format>() { gemm_gguf_maddwd_of<V, MaxTokens, NV, Format>(x, w, y, y_stride); });
 }
 
 KT_NAMESPACE_END

@@ -48,9 +48,10 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
     moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
     moe.load_weights()
-    # Held as BLOCK_TYPES says: 4-bit indices or bytes, scales factored or fp32, mins where it has them;
-    # the types whose scales the data decides (factored None: MXFP4, NVFP4) also as E4M3 bytes times an
-    # fp32 per matrix (powers of two and E4M3 values are E4M3 codes).
+    # Held as BLOCK_TYPES says: values in its held bits (4-bit indices, 5- or 6-bit planes, bytes),
+    # scales factored or fp32, mins where it has them; the types whose scales the data decides
+    # (factored None: MXFP4, NVFP4) also as E4M3 bytes times an fp32 per matrix (powers of two and
+    # E4M3 values are E4M3 codes).
     held = []
     for factored, e4m3 in ((False, False), (True, False), (False, True)):
         total = 0
@@ -62,7 +63,7 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
             block = BLOCK_TYPES[types[name]]
             as_type = block.factored if block.factored is not None else factored
             as_e4m3 = e4m3 and block.factored is None and not block.mins
-            total += held_bytes(rows, k, block.group, block.held_bits == 4, as_type, block.mins, as_e4m3)
+            total += held_bytes(rows, k, block.group, block.held_bits, as_type, block.mins, as_e4m3)
         held.append(EXPERTS * total)
     assert sum(sp.engine.packed_bytes() for sp in moe._subpools) in held
     x = activations(tokens, hidden, 100)
@@ -91,3 +92,46 @@ def test_every_type_within_half_a_percent_of_fp64(tmp_path, type_name, tokens):
 def test_mixed_layers_within_half_a_percent_of_fp64(tmp_path, types, hidden, inter, tokens):
     error = run_layer(tmp_path, types, hidden, inter, tokens)
     assert error < BOUND, f"{types}: relative error {error:.4%}"
+
+
+#: The ggml types whose values span 32 or 64 integers: held in 5- or 6-bit value planes (kernels.h).
+PLANAR = {"Q6_K": 6, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5}
+
+
+@pytest.mark.parametrize("type_name", PLANAR)
+def test_five_and_six_bit_types_are_held_in_value_planes_exactly(tmp_path, type_name):
+    """Q6_K's values (-32..31) in 6 bits, Q5_K's, Q5_0's and Q5_1's in 5: 0.75 and 0.625 bytes per
+    weight where bytes took 1 (packed_bytes() counts them), a forward within the bound of fp64, and
+    the write-back (MoEEngine.unpack) giving back the canonical tensors bit for bit."""
+    from kt_kernel._native import ext
+    from kt_kernel.gguf_blocks import convert_rows
+
+    block, bits = BLOCK_TYPES[type_name], PLANAR[type_name]
+    assert block.held_bits == bits
+    hidden, inter = 512, 256
+    error = run_layer(tmp_path, dict.fromkeys(("gate", "up", "down"), type_name), hidden, inter, 5)
+    assert error < BOUND, f"{type_name}: relative error {error:.4%}"
+    rng = np.random.default_rng(60)
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    tensors = {}
+    for name, (rows, k) in shapes.items():
+        values, pairs = convert_rows(type_name, realistic_blocks(type_name, EXPERTS * rows, k, rng))
+        tensors[name] = (torch.from_numpy(values).reshape(EXPERTS, rows, k),
+                         torch.from_numpy(pairs).reshape(EXPERTS, rows, -1))  # fmt: skip
+    engine = ext.MoEEngine(EXPERTS, TOP_K, hidden, inter, "GGUF", 1, [])
+    engine.load(*(t for pair in tensors.values() for t in pair), torch.arange(EXPERTS))
+    held = sum(
+        held_bytes(r, k, block.group, bits, bool(block.factored), block.mins) for r, k in shapes.values()
+    )
+    assert engine.packed_bytes() == EXPERTS * held
+    for name, (rows, k) in shapes.items():
+        for expert in range(EXPERTS):
+            values, pairs = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, 2 * k // block.group)
+            engine.unpack(
+                name, expert, 0, rows, 0, k, values.data_ptr(), k, pairs.data_ptr(), pairs.shape[1] * 4
+            )
+            assert torch.equal(values, tensors[name][0][expert]), (name, expert)
+            assert torch.equal(pairs.view(torch.int32), tensors[name][1][expert].view(torch.int32)), (
+                name,
+                expert,
+            )

@@ -43,10 +43,11 @@ def gguf_tensor(
 
 
 def held_bytes(
-    rows: int, k: int, group: int, indexed: bool, factored: bool, mins: bool, e4m3: bool = False
+    rows: int, k: int, group: int, value_bits: int, factored: bool, mins: bool, e4m3: bool = False
 ) -> int:
-    """The bytes of one packed matrix in the layout given (kt_kernel.held_bytes, src/core/kernels.h)."""
-    return projection_bytes("GGUF", 1, rows, k, group, layout=GgufLayout(indexed, factored, mins, e4m3))
+    """The bytes of one packed matrix in the layout given (kt_kernel.held_bytes, src/core/kernels.h):
+    values in value_bits bits (8: bytes, 4: indices, 5 or 6: value planes)."""
+    return projection_bytes("GGUF", 1, rows, k, group, layout=GgufLayout(value_bits, factored, mins, e4m3))
 
 
 def decoded(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -166,10 +167,10 @@ def engine_bytes(gate, up, down) -> int:
     return engine.packed_bytes()
 
 
-def expected_bytes(groups: tuple[int, int], indexed: bool, factored: bool, mins: bool) -> int:
+def expected_bytes(groups: tuple[int, int], value_bits: int, factored: bool, mins: bool) -> int:
     """An engine's bytes (held_bytes) where gate and up are held alike and down as bytes."""
-    gate_up = held_bytes(INTER, HIDDEN, groups[0], indexed, factored, mins)
-    return EXPERTS * (2 * gate_up + held_bytes(HIDDEN, INTER, groups[1], False, factored, mins))
+    gate_up = held_bytes(INTER, HIDDEN, groups[0], value_bits, factored, mins)
+    return EXPERTS * (2 * gate_up + held_bytes(HIDDEN, INTER, groups[1], 8, factored, mins))
 
 
 @pytest.mark.parametrize("levels", LEVELS)
@@ -182,8 +183,8 @@ def test_values_of_16_levels_are_held_as_4_bit_indices(levels, tokens):
     gate, up = on_levels(gate, LEVELS[levels], g), on_levels(up, LEVELS[levels], g)
     error = error_of(gate, up, down, tokens)
     assert error < BOUND, f"relative error {error:.4%}"
-    assert engine_bytes(gate, up, down) == expected_bytes((32, 16), True, False, True)
-    assert engine_bytes(*problem((32, 16), True, seed=5)) == expected_bytes((32, 16), False, False, True)
+    assert engine_bytes(gate, up, down) == expected_bytes((32, 16), 4, False, True)
+    assert engine_bytes(*problem((32, 16), True, seed=5)) == expected_bytes((32, 16), 8, False, True)
 
 
 @pytest.mark.parametrize("groups", [(32, 16), (16, 32)], ids=["32-16", "16-32"])
@@ -193,7 +194,7 @@ def test_scales_are_factored_and_mins_left_out_where_the_data_allows(groups, min
     """Scales that are int8 multiples of one float per 256 inputs (the K-quants') are held so, and
     mins that are all 0 are not held: fewer bytes, the same canonical tensors back (exactly)."""
     tensors = problem(groups, mins, seed=8, factored=factored)
-    assert engine_bytes(*tensors) == expected_bytes(groups, False, factored, mins)
+    assert engine_bytes(*tensors) == expected_bytes(groups, 8, factored, mins)
     for name in ("gate", "down"):
         values, pairs = tensors[("gate", "up", "down").index(name)]
         assert same_bits(unpacked(tensors, name, 0, values.shape[-1])[1], pairs[3, 16:32])
@@ -202,11 +203,47 @@ def test_scales_are_factored_and_mins_left_out_where_the_data_allows(groups, min
         off = pairs.clone()
         off[0, 0, 0] *= 1 + 2.0**-20
         assert engine_bytes((gate, off), *tensors[1:]) == expected_bytes(
-            groups, False, factored, mins
+            groups, 8, factored, mins
         ) + EXPERTS * (
-            held_bytes(INTER, HIDDEN, groups[0], False, False, mins)
-            - held_bytes(INTER, HIDDEN, groups[0], False, True, mins)
+            held_bytes(INTER, HIDDEN, groups[0], 8, False, mins)
+            - held_bytes(INTER, HIDDEN, groups[0], 8, True, mins)
         )
+
+
+def in_window(t: tuple[torch.Tensor, torch.Tensor], lowest: int, span: int, g: torch.Generator):
+    """t with its values drawn from the span integers from lowest on, both ends among them."""
+    values = torch.randint(lowest, lowest + span, t[0].shape, generator=g, dtype=torch.int16)
+    values.view(-1)[:2] = torch.tensor([lowest, lowest + span - 1])
+    return values.to(torch.int8), t[1]
+
+
+def plane_bits(span: int, group: int) -> int:
+    """The bits the engine holds values of `span` consecutive integers in (more than 16)."""
+    return 5 if span <= 32 and group % 32 == 0 else 6 if span <= 64 else 8
+
+
+@pytest.mark.parametrize("span", [32, 33, 64, 65])
+@pytest.mark.parametrize("end", ["-128 up", "127 down"])
+def test_values_of_32_or_64_integers_are_held_in_value_planes(span, end):
+    """Values within 32 integers are held in 5-bit planes (where a scale group is whole 32s; else 6),
+    within 64 in 6-bit planes, any more as bytes: the int8 range's ends included, the forward within
+    the bound, the values and pairs written back as loaded."""
+    g = torch.Generator().manual_seed(span)
+    lowest = -128 if end == "-128 up" else 128 - span
+    tensors = [in_window(t, lowest, span, g) for t in problem((32, 16), True, seed=10)]
+    gate_up = held_bytes(INTER, HIDDEN, 32, plane_bits(span, 32), False, True)
+    assert engine_bytes(*tensors) == EXPERTS * (
+        2 * gate_up + held_bytes(HIDDEN, INTER, 16, plane_bits(span, 16), False, True)
+    )
+    for tokens in (1, 24):
+        error = error_of(*tensors, tokens)
+        assert error < BOUND, f"{tokens} tokens: relative error {error:.4%}"
+    for name, k0, cols in (("gate", 32, 160), ("down", 16, 64)):
+        values, pairs = tensors[("gate", "up", "down").index(name)]
+        group = 2 * values.shape[-1] // pairs.shape[-1]
+        out_values, out_pairs = unpacked(tensors, name, k0, cols)
+        assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
+        assert same_bits(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -227,9 +264,9 @@ def test_a_block_of_zero_scales_comes_back_with_its_signs(zeros):
         block[1] = 0.0
     tensors[0] = (values, pairs)
     factored = zeros == "-0"
-    gate_up = [held_bytes(INTER, HIDDEN, 32, False, f, True) for f in (factored, True)]
+    gate_up = [held_bytes(INTER, HIDDEN, 32, 8, f, True) for f in (factored, True)]
     assert engine_bytes(*tensors) == EXPERTS * (
-        gate_up[0] + gate_up[1] + held_bytes(HIDDEN, INTER, 32, False, True, True)
+        gate_up[0] + gate_up[1] + held_bytes(HIDDEN, INTER, 32, 8, True, True)
     )
     assert same_bits(unpacked(tensors, "gate", 0, HIDDEN)[1], pairs[3, 16:32])
 
@@ -287,7 +324,7 @@ def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_held_anew(misfi
     whole = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
     whole.load(*as_loaded, torch.arange(EXPERTS))
     fitting = EXPERTS * (
-        2 * held_bytes(INTER, HIDDEN, 32, True, True, mins) + held_bytes(HIDDEN, INTER, 32, True, True, mins)
+        2 * held_bytes(INTER, HIDDEN, 32, 4, True, mins) + held_bytes(HIDDEN, INTER, 32, 4, True, mins)
     )
     assert engine.packed_bytes() == whole.packed_bytes() > fitting  # gate held as the whole layer needs
     for expert in (0, EXPERTS // 2 - 1, EXPERTS - 1):

@@ -36,11 +36,12 @@ struct UnpackRegion {
 // scale_type: one per row when the scale group is 0, else scales_per_group per `scale group` inputs.
 constexpr int kEndOfList = -1;
 
-// How a projection is held, where its format chooses by the data (GGUF, kernels.h): values as 4-bit
-// indices into `levels` (each + 128), scales factored or as E4M3 bytes times a factor per matrix,
-// mins left out where every min is 0.
+// How a projection is held, where its format chooses by the data (GGUF, kernels.h): values as bytes
+// (value_bits 8), 4-bit indices into `levels` (each + 128; value_bits 4) or value planes of 5 or 6
+// bits (levels[0]: the lowest value + 128, the rest 0), scales factored or as E4M3 bytes times a
+// factor per matrix, mins left out where every min is 0.
 struct HeldLayout {
-  bool indexed = false;
+  uint8_t value_bits = 8;
   alignas(16) std::array<int8_t, kLevels> levels{};
   bool factored_scales = false;
   bool mins = true;

@@ -118,6 +118,10 @@ struct PackedGroups {
   size_t group_zero_bytes = 0;
   // GGUF held as 4-bit indices: the 16 levels they index, each + 128 (u8; 16-byte aligned); else null.
   const int8_t* levels = nullptr;
+  // GGUF's values in 5 or 6 bits (value planes, below) and the byte added to each (the lowest value
+  // + 128); 8 in the other layouts.
+  int value_bits = 8;
+  uint8_t value_offset = 0;
   // GGUF's scales factored, and whether it holds mins (above).
   bool factored_scales = false, mins = true;
   // GGUF's scales as unsigned E4M3 bytes (NVFP4's own), and the matrix's fp32 factor: every output
@@ -179,7 +183,17 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // chosen by its data at load (HeldLayout, formats.h), always exactly:
 // Values: the INT8 layout above (q + 128); or, where every value of the projection is one of 16
 // levels (the 4-bit and smaller ggml types), 4-bit indices into them in the INT4 layout, the levels
-// + 128 in PackedGroups::levels.
+// + 128 in PackedGroups::levels; or, where every value lies in [lowest, lowest + 2^b) with b = 6, or
+// b = 5 where the scale group is a multiple of 32 (Q6_K, Q5_K, Q5_0, Q5_1), value planes
+// (PackedGroups::value_bits b, value_offset lowest + 128): v = q - lowest, its low 4 bits as the INT4
+// layout's nibbles and its b - 4 high bits (h of them) in a plane. Per group, per unit of
+// L = 4 / h octets (6 bits: 16 inputs, 5 bits: 32), L nibble lines then one plane line, 64 bytes
+// each: (L + 1) * 64 bytes per 8 L inputs of 16 rows. Plane line, row r's word at bytes 4r..4r+3:
+// the high bits of the value whose nibble lies in byte i of row r's word in half n (0: low nibbles,
+// 1: high) of nibble line l (inputs 8l + 4n + i of the unit) at bits p..p+h-1 of byte i,
+// p = h (2l + n). Shifted by 4 - p (within a 32-bit word), masked to bits 4..3+h of each byte and
+// or-ed with the masked nibbles, they make the bytes v of an INT8-layout quad; the kernels add
+// value_offset (mod 256) for q + 128.
 // Scales and mins: each entry is 16 rows' scales, or 16 rows' mins packed as -min / 128 (the
 // kernels start a scale group's integer sum at -128 * sum(x), the offset, so that start times
 // -min / 128 is min * sum(x): one fp32 FMA). Where every min is 0 (PackedGroups::mins false), the
@@ -196,6 +210,9 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 constexpr int kLevels = 16;
 constexpr int kGgufBlockInputs = 256;
 inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
+// Value planes of `bits` (5 or 6) bits: the nibble lines of a unit, then its plane line (k: whole units).
+constexpr int plane_lines(int bits) { return 4 / (bits - 4); }
+inline size_t planar_group_bytes(int k, int bits) { return size_t(k) * bits / 8 * kGroupRows; }
 // Entries per scale group: a scale, and a min unless they are left out.
 constexpr int gguf_entries(bool mins) { return mins ? 2 : 1; }
 // Where scale group s's entry (0: its scales, 1: its mins) starts in one group's packed scales:

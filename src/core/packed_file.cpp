@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -31,7 +32,7 @@ struct Section {
 struct ProjectionEntry {
   int32_t rows, k, scale_group, has_zeros;
   uint64_t group_bytes, group_scale_bytes;
-  uint8_t indexed, factored_scales, mins, e4m3_scales, reserved[4];
+  uint8_t indexed, factored_scales, mins, e4m3_scales, reserved[3], value_bits;
   int8_t levels[kLevels];
   Section values, scales, zeros, factors;  // factors: each expert's fp32 (PackedProjection::factors)
 };
@@ -244,14 +245,20 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
   if (e.has_zeros != 0 && (e.has_zeros != 1 || !format.has_zero_points())) return what + "zero points the format lacks";
   *held = HeldLayout{};
   if (format.held_layouts != nullptr) {
-    held->indexed = e.indexed != 0;
+    held->value_bits = e.value_bits;
     held->factored_scales = e.factored_scales != 0;
     held->mins = e.mins != 0;
     held->e4m3_scales = e.e4m3_scales != 0;
     std::memcpy(held->levels.data(), e.levels, kLevels);
+    // Planes: levels[0] alone (their offset).
+    const bool planes = e.value_bits == 5 || e.value_bits == 6;
+    if ((e.value_bits != 8 && e.value_bits != 4 && !planes) || e.indexed != (e.value_bits == 4) ||
+        (planes && std::any_of(e.levels + 1, e.levels + kLevels, [](int8_t l) { return l != 0; })) ||
+        (e.value_bits == 5 && e.scale_group % 32 != 0))
+      return what + "a value layout the format lacks";
   } else {
     static const int8_t none[kLevels] = {};
-    if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || e.e4m3_scales != 0 ||
+    if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || e.e4m3_scales != 0 || e.value_bits != 8 ||
         std::memcmp(e.levels, none, kLevels) != 0)
       return what + "a held layout the format lacks";
   }
@@ -285,7 +292,8 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
     ProjectionEntry& e = h.projections[p];
     e.rows = src.rows, e.k = src.k, e.scale_group = src.scale_group, e.has_zeros = src.has_zeros;
     e.group_bytes = src.group_bytes, e.group_scale_bytes = src.group_scale_bytes;
-    e.indexed = src.held.indexed, e.factored_scales = src.held.factored_scales, e.mins = src.held.mins;
+    e.indexed = src.held.value_bits == 4, e.value_bits = src.held.value_bits;
+    e.factored_scales = src.held.factored_scales, e.mins = src.held.mins;
     e.e4m3_scales = src.held.e4m3_scales;
     std::memcpy(e.levels, src.held.levels.data(), kLevels);
     sizes.values[p] = uint64_t(E) * src.expert_value_bytes();

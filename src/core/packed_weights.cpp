@@ -95,7 +95,9 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
     groups.zeros = zeros.data() + index * group_scale_bytes;
     groups.group_zero_bytes = group_scale_bytes;
   }
-  if (held.indexed) groups.levels = held.levels.data();
+  if (held.value_bits == 4) groups.levels = held.levels.data();
+  if (held.value_bits == 5 || held.value_bits == 6) groups.value_offset = uint8_t(held.levels[0]);
+  groups.value_bits = held.value_bits;
   groups.factored_scales = held.factored_scales;
   groups.mins = held.mins;
   groups.e4m3_scales = held.e4m3_scales;

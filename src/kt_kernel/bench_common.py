@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import formats
-from .gguf_blocks import BLOCK_TYPES, held_bytes_per_weight
+from .gguf_blocks import BLOCK_TYPES, held_bytes_per_weight, held_value_bits
 
 #: name -> (experts E, top-k K, hidden H, intermediate I)
 SHAPES: dict[str, tuple[int, int, int, int]] = {
@@ -59,19 +59,21 @@ class GgufBenchKind:
         return (0, top - 1) if self.mins and self.bits < 8 else (-top // 2, top // 2 - 1)
 
     def bytes_per_weight(self) -> float:
-        return held_bytes_per_weight(4 if self.bits <= 4 else 8, self.group, self.mins, self.factored)
+        return held_bytes_per_weight(
+            held_value_bits(self.bits, self.group), self.group, self.mins, self.factored
+        )
 
     @classmethod
     def of_type(cls, type_name: str) -> GgufBenchKind:
-        """The kind a ggml type runs as (BLOCK_TYPES): its group, 4-bit values where it is held as
-        indices, else 8-bit ones, its mins, its scales factored where the type's always are."""
+        """The kind a ggml type runs as (BLOCK_TYPES): its group, its held bits (4: indices, 5 or 6:
+        value planes, 8: bytes), its mins, its scales factored where the type's always are."""
         block = BLOCK_TYPES[type_name.upper()]
-        return cls(block.group, 4 if block.held_bits == 4 else 8, block.mins, bool(block.factored))
+        return cls(block.group, block.held_bits, block.mins, bool(block.factored))
 
 
 #: The GGUF rows: ``gguf`` is Q4_K_M's mix, gate and up as Q4_K (4-bit values and a min per 32
-#: inputs: held as 4-bit indices), down as Q6_K (6-bit values per 16: held as bytes), their scales
-#: factored as those types' are. ``gguf:TYPE`` runs every projection as that ggml type's kind
+#: inputs: held as 4-bit indices), down as Q6_K (6-bit values per 16: held in 6-bit planes), their
+#: scales factored as those types' are. ``gguf:TYPE`` runs every projection as that ggml type's kind
 #: (GgufBenchKind.of_type), ``gguf:G`` 8-bit values per G inputs with fp32 scales.
 GGUF_BENCH_LAYOUT = {
     "gate": GgufBenchKind.of_type("Q4_K"),

@@ -38,9 +38,10 @@ class BlockType:
     """One ggml type: its block (inputs and bytes, as ggml's GGML_QUANT_SIZES), the inputs per
     (scale, min) pair, the function from blocks to (values, pairs), and how the engine holds it
     (src/core/kernels.h): a value in ``held_bits`` (4 where the values are at most 16 levels: the
-    engine indexes them); a min only where the type has them (``mins``); the scales ``factored``,
-    as int8 multiples of one float32 per 256 inputs, where the type's scales are small integers
-    times one fp16 per block (None: where the data allows, which the engine checks at load)."""
+    engine indexes them; 5 or 6 where they span 32 or 64 integers: value planes); a min only where
+    the type has them (``mins``); the scales ``factored``, as int8 multiples of one float32 per 256
+    inputs, where the type's scales are small integers times one fp16 per block (None: where the
+    data allows, which the engine checks at load)."""
 
     block_inputs: int
     block_bytes: int
@@ -61,6 +62,17 @@ def held_bytes_per_weight(held_bits: int, group: int, mins: bool, factored: bool
     where ``factored`` an int8 plus a float32 per 256 inputs."""
     entries = 2 if mins else 1
     return held_bits / 8 + (entries * (1 / group + 4 / 256) if factored else entries * 4 / group)
+
+
+def held_value_bits(bits: int, group: int) -> int:
+    """The bits the engine holds values of ``bits`` bits in, with ``group`` inputs per scale
+    (src/core/formats/gguf.cpp, where the data does not take fewer): 4-bit indices, 5-bit planes where
+    a group is whole 32s (else 6), 6-bit planes, else bytes."""
+    if bits <= 4:
+        return 4
+    if bits == 5 and group % 32 == 0:
+        return 5
+    return 6 if bits <= 6 else 8
 
 
 def _f16(field: np.ndarray) -> np.ndarray:
@@ -226,13 +238,13 @@ BLOCK_TYPES: dict[str, BlockType] = {
     "Q8_0": BlockType(32, 34, 32, _q8_0),
     "Q4_0": BlockType(32, 18, 32, _q4_0, held_bits=4),
     "Q4_1": BlockType(32, 20, 32, _q4_1, held_bits=4, mins=True),
-    "Q5_0": BlockType(32, 22, 32, _q5_0),
-    "Q5_1": BlockType(32, 24, 32, _q5_1, mins=True),
+    "Q5_0": BlockType(32, 22, 32, _q5_0, held_bits=5),
+    "Q5_1": BlockType(32, 24, 32, _q5_1, held_bits=5, mins=True),
     "Q2_K": BlockType(256, 84, 16, _q2_k, held_bits=4, mins=True, factored=True),
     "Q3_K": BlockType(256, 110, 16, _q3_k, held_bits=4, factored=True),
     "Q4_K": BlockType(256, 144, 32, _q4_k, held_bits=4, mins=True, factored=True),
-    "Q5_K": BlockType(256, 176, 32, _q5_k, mins=True, factored=True),
-    "Q6_K": BlockType(256, 210, 16, _q6_k, factored=True),
+    "Q5_K": BlockType(256, 176, 32, _q5_k, held_bits=5, mins=True, factored=True),
+    "Q6_K": BlockType(256, 210, 16, _q6_k, held_bits=6, factored=True),
     "IQ4_NL": BlockType(32, 18, 32, _iq4_nl, held_bits=4),
     "IQ4_XS": BlockType(256, 136, 32, _iq4_xs, held_bits=4, factored=True),
     "MXFP4": BlockType(32, 17, 32, _mxfp4, held_bits=4, factored=None),

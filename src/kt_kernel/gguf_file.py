@@ -370,9 +370,9 @@ class GGUFLayerReader:
 
     def _warn_of_memory(self, tensors: list[_ExpertTensor]) -> None:
         """The engine holds every quantized type exactly, as a byte (a 4-bit index for the types of
-        16 levels or fewer) per weight plus scales and mins (BlockType.held_bytes_per_weight): more
-        memory than the file's blocks. Said once per file and set of types (the text is the same
-        for every layer)."""
+        16 levels or fewer, 5 or 6 bits for Q5_x and Q6_K) per weight plus scales and mins
+        (BlockType.held_bytes_per_weight): more memory than the file's blocks. Said once per file
+        and set of types (the text is the same for every layer)."""
         held = stored = 0.0
         for t in tensors:
             block = BLOCK_TYPES[t.type_name]
@@ -380,7 +380,7 @@ class GGUFLayerReader:
             stored += block.block_bytes / block.block_inputs
         types = "/".join(dict.fromkeys(t.type_name for t in tensors))
         warnings.warn(
-            f"{self.model.where}: {types} experts are held exactly as 4- or 8-bit values with their "
+            f"{self.model.where}: {types} experts are held exactly as 4- to 8-bit values with their "
             f"scales and mins: about {held / len(tensors):.2f} bytes per weight in memory, "
             f"{held / stored:.1f}x the file's {stored / len(tensors):.2f}",
             stacklevel=4,

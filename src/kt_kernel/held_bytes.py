@@ -52,11 +52,12 @@ _GROUP_BYTES: dict[str, Callable[[int, int], tuple[int, int]]] = {
 
 @dataclass(frozen=True)
 class GgufLayout:
-    """How the engine holds a GGUF projection (HeldLayout, kernels.h): values as 4-bit indices into
-    16 levels or as bytes; scales as fp32 or factored (int8 multiples of an fp32 per 256 inputs);
-    the min entries left out where every min is 0. The engine chooses by the data at load."""
+    """How the engine holds a GGUF projection (HeldLayout, kernels.h): values in ``value_bits`` bits
+    (8: bytes; 4: indices into 16 levels; 5 or 6: value planes, where they span 32 or 64 integers);
+    scales as fp32 or factored (int8 multiples of an fp32 per 256 inputs); the min entries left out
+    where every min is 0. The engine chooses by the data at load."""
 
-    indexed: bool
+    value_bits: int
     factored: bool
     mins: bool
     #: The scales as unsigned E4M3 bytes (NVFP4's), with an fp32 factor per matrix (no mins).
@@ -65,7 +66,7 @@ class GgufLayout:
 
 def gguf_group_bytes(k: int, group: int, layout: GgufLayout) -> tuple[int, int]:
     """(value bytes, scale bytes) of one group of ROWS GGUF rows of k inputs, scale group ``group``."""
-    values = k // (2 if layout.indexed else 1) * ROWS
+    values = k * layout.value_bits // 8 * ROWS  # k: whole 32s
     if layout.e4m3:
         return values, k // group * ROWS
     entries = (k // group) * (2 if layout.mins else 1) * ROWS
@@ -97,7 +98,7 @@ def projection_bytes(
 
 
 #: How the engine holds method NVFP4 (formats.nvfp4_as_gguf): GGUF's 4-bit indices, E4M3 scales.
-NVFP4_LAYOUT = GgufLayout(indexed=True, factored=False, mins=False, e4m3=True)
+NVFP4_LAYOUT = GgufLayout(value_bits=4, factored=False, mins=False, e4m3=True)
 
 
 def nvfp4_bytes(experts: int, rows: int, k: int) -> int:
@@ -107,10 +108,10 @@ def nvfp4_bytes(experts: int, rows: int, k: int) -> int:
     return projection_bytes("GGUF", experts, rows, k, 16, layout=NVFP4_LAYOUT)
 
 
-def gguf_most_bytes(experts: int, rows: int, k: int, group: int, indexed: bool, mins: bool) -> int:
+def gguf_most_bytes(experts: int, rows: int, k: int, group: int, value_bits: int, mins: bool) -> int:
     """The larger of a GGUF projection's two scale layouts (fp32 or factored): the engine factors
     where every block's scales allow, which the headers cannot tell."""
     return max(
-        projection_bytes("GGUF", experts, rows, k, group, layout=GgufLayout(indexed, factored, mins))
+        projection_bytes("GGUF", experts, rows, k, group, layout=GgufLayout(value_bits, factored, mins))
         for factored in (False, True)
     )

@@ -100,11 +100,12 @@ def estimate(path: str | Path, method: str | None = None) -> MemoryEstimate:
 
 def gguf_bound(block: BlockType, experts: int, rows: int, k: int) -> int:
     """The most bytes the engine holds a GGUF projection of ggml type ``block`` in (never exact):
-    4-bit indices where the type's values are 16 levels (else bytes, though the data
-    may fit 16), mins where the type has them (they may all be 0), and the larger of the two scale
-    layouts: even a type whose scales factor by construction is held with fp32 scales where a
-    block's do not (a fp16 scale of Inf or NaN, say)."""
-    return gguf_most_bytes(experts, rows, k, block.group, block.held_bits == 4, block.mins)
+    values in the type's held bits (BlockType.held_bits: 4-bit indices where its values are 16
+    levels, 5- or 6-bit planes where they span 32 or 64, else bytes; the data may take fewer),
+    mins where the type has them (they may all be 0), and the larger of the two scale layouts: even
+    a type whose scales factor by construction is held with fp32 scales where a block's do not (a
+    fp16 scale of Inf or NaN, say)."""
+    return gguf_most_bytes(experts, rows, k, block.group, block.held_bits, block.mins)
 
 
 def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstimate:
@@ -160,7 +161,7 @@ def _converted_estimate(path: Path, manifest: dict, fmt: formats.WeightFormat | 
                 else held_as.scales_per_group * k // max(per_row, 1)
             )
             if held_as is formats.GGUF:  # the ggml type is gone: int8 values with scales and mins
-                held = gguf_most_bytes(experts, rows, k, group, indexed=False, mins=True)
+                held = gguf_most_bytes(experts, rows, k, group, value_bits=8, mins=True)
             else:
                 held = projection_bytes(held_as.name, experts, rows, k, group)
             files = _bytes_of(weight) + (_bytes_of(scale) if scale else 0)

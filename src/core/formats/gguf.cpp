@@ -1,7 +1,7 @@
 // GGUF: llama.cpp's integer block types as int8 values with an fp32 scale and min per 16 or 32
 // inputs (w = q * scale + min), held as the data allows (HeldLayout; the layouts: kernels.h):
-// values as bytes (q + 128) or 4-bit indices into 16 levels, scales as fp32 or factored, mins left
-// out where all are 0. Every choice is exact, checked on the data at load.
+// values as bytes (q + 128), 4-bit indices into 16 levels or 5 / 6-bit planes, scales as fp32 or
+// factored, mins left out where all are 0. Every choice is exact, checked on the data at load.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -198,6 +198,50 @@ bool e4m3_scales(const CanonicalMatrices& m) {
   return true;
 }
 
+// ---- Value planes: every value in [lowest, lowest + 2^bits), held as v = q - lowest.
+
+int lowest_of(const HeldLayout& layout) { return int(uint8_t(layout.levels[0])) - kInt8Offset; }
+
+// The planes' bits (5 or 6) that hold `count` values, and their lowest value into levels[0] (+ 128);
+// 8 where they span more than 64. 5 bits only where a scale group is whole units of 32 inputs (the
+// kernels take a unit's plane line inside one scale group).
+uint8_t plane_bits_of(const int8_t* values, size_t count, int scale_group, int8_t* levels) {
+  int lowest = 127, highest = -128;
+  for (size_t i = 0; i < count; ++i) {
+    lowest = std::min<int>(lowest, values[i]);
+    highest = std::max<int>(highest, values[i]);
+  }
+  const int span = highest - lowest + 1;
+  const uint8_t bits = span <= 32 && scale_group % 32 == 0 ? 5 : span <= 64 ? 6 : 8;
+  if (bits != 8) levels[0] = int8_t(uint8_t(lowest + kInt8Offset));
+  return bits;
+}
+
+bool within_planes(const HeldLayout& layout, const int8_t* values, size_t count) {
+  const int lowest = lowest_of(layout), highest = lowest + (1 << layout.value_bits) - 1;
+  bool all = true;
+  for (size_t i = 0; i < count; ++i) all &= values[i] >= lowest && values[i] <= highest;
+  return all;
+}
+
+// Row r of a group as value planes (kernels.h): per unit, its nibble lines' words and its plane word.
+void pack_planar_row(const int8_t* row, int k, int r, int bits, int lowest, uint8_t* group) {
+  const int lines = plane_lines(bits), high_bits = bits - 4;
+  for (int u = 0; u * 8 * lines < k; ++u) {
+    uint8_t* unit = group + size_t(u) * (lines + 1) * 64 + 4 * r;
+    uint32_t plane = 0;
+    for (int l = 0; l < lines; ++l) {
+      const int8_t* octet = row + (u * lines + l) * 8;
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t low = uint8_t(octet[i] - lowest), high = uint8_t(octet[4 + i] - lowest);
+        unit[l * 64 + i] = uint8_t((low & 0xF) | (high & 0xF) << 4);
+        plane |= (low >> 4) << (8 * i + high_bits * 2 * l) | (high >> 4) << (8 * i + high_bits * (2 * l + 1));
+      }
+    }
+    for (int i = 0; i < 4; ++i) unit[lines * 64 + i] = uint8_t(plane >> 8 * i);
+  }
+}
+
 // Whether any min is other than +0 (the min a layout without mins gives back).
 bool has_mins(const float* pairs, size_t pair_count) {
   for (size_t i = 0; i < pair_count; ++i)
@@ -209,7 +253,10 @@ HeldLayout layout_of(const CanonicalMatrices& m) {
   HeldLayout layout;
   const size_t rows = m.count * m.rows;
   const float* pairs = reinterpret_cast<const float*>(m.scales);
-  layout.indexed = levels_of(reinterpret_cast<const int8_t*>(m.values), rows * m.k, layout.levels.data());
+  const int8_t* values = reinterpret_cast<const int8_t*>(m.values);
+  layout.value_bits = levels_of(values, rows * m.k, layout.levels.data())
+                          ? 4
+                          : plane_bits_of(values, rows * m.k, m.scale_group, layout.levels.data());
   layout.mins = has_mins(pairs, rows * (m.k / m.scale_group));
   layout.e4m3_scales = !layout.mins && e4m3_scales(m);
   layout.factored_scales = !layout.e4m3_scales && scales_factor(pairs, rows, m.k, m.scale_group, layout.mins);
@@ -219,14 +266,19 @@ HeldLayout layout_of(const CanonicalMatrices& m) {
 bool layout_holds(const HeldLayout& layout, const CanonicalMatrices& m) {
   const size_t rows = m.count * m.rows;
   const float* pairs = reinterpret_cast<const float*>(m.scales);
-  return (!layout.indexed || within_levels(layout, reinterpret_cast<const int8_t*>(m.values), rows * m.k)) &&
+  const int8_t* values = reinterpret_cast<const int8_t*>(m.values);
+  const bool values_held = layout.value_bits == 8 ||
+                           (layout.value_bits == 4 ? within_levels(layout, values, rows * m.k)
+                                                   : within_planes(layout, values, rows * m.k));
+  return values_held &&
          (layout.mins || !has_mins(pairs, rows * (m.k / m.scale_group))) &&
          (!layout.factored_scales || scales_factor(pairs, rows, m.k, m.scale_group, layout.mins)) &&
          (!layout.e4m3_scales || e4m3_scales(m));
 }
 
 size_t held_group_bytes(const HeldLayout& layout, int k) {
-  return layout.indexed ? indexed_group_bytes(k) : size_t(k) * kGroupRows;
+  if (layout.value_bits == 4) return indexed_group_bytes(k);
+  return layout.value_bits == 8 ? size_t(k) * kGroupRows : planar_group_bytes(k, layout.value_bits);
 }
 
 size_t held_group_scale_bytes(const HeldLayout& layout, int k, int scale_group) {
@@ -286,15 +338,20 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
   uint8_t index_of[256] = {};  // level + 128 -> its first index
   for (int i = kLevels - 1; i >= 0; --i) index_of[uint8_t(layout.levels[i])] = uint8_t(i);
   // Padding rows have scale and min 0: any value is weight 0.
-  const uint8_t padding = layout.indexed ? uint8_t(index_of[kInt8Offset] * 0x11) : uint8_t(kInt8Offset);
+  const bool indexed = layout.value_bits == 4;
+  const uint8_t padding = indexed ? uint8_t(index_of[kInt8Offset] * 0x11) : layout.value_bits == 8 ? kInt8Offset : 0;
   for (int g = 0; g < packed_groups(rows); ++g) {
     uint8_t* group = packed + g * value_bytes;
     pack_scales(layout, pairs, rows, k, scale_group, g, packed_scales + g * scale_bytes_per_group, *matrix_factor);
     std::memset(group, padding, value_bytes);
     for (int r = 0; r < kGroupRows && size_t(g) * kGroupRows + r < size_t(rows); ++r) {
       const int8_t* row = q + (size_t(g) * kGroupRows + r) * k;
-      if (!layout.indexed) {
+      if (layout.value_bits == 8) {
         pack_int8_row(row, k, r, group);
+        continue;
+      }
+      if (!indexed) {
+        pack_planar_row(row, k, r, layout.value_bits, lowest_of(layout), group);
         continue;
       }
       for (int c = 0; c < k; c += 8) {  // inputs c..c+7: one row word, c..c+3 in its low nibbles (k: whole 32s)
@@ -323,13 +380,22 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
     const uint8_t* group = w.values + size_t(row / kGroupRows) * w.group_bytes;
     const uint8_t* group_scales = w.scales + size_t(row / kGroupRows) * w.group_scale_bytes;
     uint8_t* dst = region.values + i * region.values_stride;
-    if (w.levels == nullptr)
-      unpack_int8_row(group, r, region.k0, region.cols, dst);
-    else
+    if (w.levels != nullptr) {
       for (int c = 0; c < region.cols; ++c) {
         const int index = (group[nibble_position(region.k0 + c, r)] >> nibble_shift(region.k0 + c)) & 0xF;
         dst[c] = uint8_t(w.levels[index] - kInt8Offset);
       }
+    } else if (w.value_bits != 8) {
+      const int high_mask = (1 << (w.value_bits - 4)) - 1;
+      for (int c = 0; c < region.cols; ++c) {
+        const PlanarPosition at = planar_position(region.k0 + c, r, w.value_bits);
+        const int v = ((group[at.nibble] >> nibble_shift(region.k0 + c)) & 0xF) |
+                      ((group[at.plane] >> at.plane_shift) & high_mask) << 4;
+        dst[c] = uint8_t(v + w.value_offset - kInt8Offset);
+      }
+    } else {
+      unpack_int8_row(group, r, region.k0, region.cols, dst);
+    }
     for (int s = 0; s < region.cols / w.scale_group; ++s) {
       const int group_s = region.k0 / w.scale_group + s;
       const float pair[2] = {packed_entry(w, group_scales, r, group_s, 0),
