@@ -196,7 +196,8 @@ def test_formats_with_a_group_size(tmp_path):
     from kt_kernel.bench_common import weight_bytes
 
     assert weight_bytes("fp8:16") == 1 + 4 / 16 and weight_bytes("int4:32") == 0.5 + 4 / 32
-    q4_k, q6_k = 0.5 + 2 * (1 / 32 + 4 / 256), 1 + 1 / 16 + 4 / 256  # factored scales; Q6_K: no mins
+    # factored scales (the bench's: 6-bit multiples of fp16 factors); Q6_K: no mins
+    q4_k, q6_k = 0.5 + 2 * (0.75 / 32 + 2 / 256), 1 + 0.75 / 16 + 2 / 256
     assert weight_bytes("gguf") == (2 * q4_k + q6_k) / 3  # Q4_K_M's mix
     assert weight_bytes("gguf:16") == 1 + 4 / 16
     out = tmp_path / "bench.json"

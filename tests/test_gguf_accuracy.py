@@ -6,6 +6,8 @@ inputs: Q8_0 and Q5_0). test_variants runs it under every build and path."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -48,22 +50,25 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
     moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
     moe.load_weights()
-    # Held as BLOCK_TYPES says: 4-bit indices or bytes, scales factored or fp32, mins where it has them;
-    # the types whose scales the data decides (factored None: MXFP4, NVFP4) also as E4M3 bytes times an
-    # fp32 per matrix (powers of two and E4M3 values are E4M3 codes).
-    held = []
-    for factored, e4m3 in ((False, False), (True, False), (False, True)):
-        total = 0
-        for name, (rows, k) in (
-            ("gate", (inter, hidden)),
-            ("up", (inter, hidden)),
-            ("down", (hidden, inter)),
-        ):
-            block = BLOCK_TYPES[types[name]]
-            as_type = block.factored if block.factored is not None else factored
-            as_e4m3 = e4m3 and block.factored is None and not block.mins
-            total += held_bytes(rows, k, block.group, block.held_bits == 4, as_type, block.mins, as_e4m3)
-        held.append(EXPERTS * total)
+    # Held as BLOCK_TYPES says: 4-bit indices or bytes, scales factored (6-bit or int8 multiples of
+    # fp16 factors) or fp16, mins where it has them; the types whose scales the data decides (factored
+    # None: MXFP4, NVFP4) in any layout, E4M3 bytes times an fp32 per matrix among them (powers of two
+    # and E4M3 values are E4M3 codes).
+    options = []
+    for name, (rows, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        block = BLOCK_TYPES[types[name]]
+        indexed = block.held_bits == 4
+        if block.factored is None:
+            layouts = [(False, False, half, 8) for half in (False, True)] + [(False, True, False, 8)] * (
+                not block.mins
+            )
+            layouts += [(True, False, half, bits) for half in (False, True) for bits in (6, 8)]
+        else:
+            layouts = [(block.factored, False, block.half, block.multiple_bits if block.factored else 8)]
+        options.append(
+            [held_bytes(rows, k, block.group, indexed, f, block.mins, e, h, b) for f, e, h, b in layouts]
+        )
+    held = {EXPERTS * sum(choice) for choice in itertools.product(*options)}
     assert sum(sp.engine.packed_bytes() for sp in moe._subpools) in held
     x = activations(tokens, hidden, 100)
     ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)

@@ -170,9 +170,10 @@ def test_mixed_types_in_one_layer_each_with_its_group(tmp_path):
     """Q4_K_M's layers: gate/up Q4_K, down Q6_K (groups of 32 and 16)."""
     file = tmp_path / "model.gguf"
     reference = write_layer(file, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"})
-    # Q4_K: 144 bytes per 256 weights, held as 4-bit indices + an int8 scale and min per 32 + two
-    # float32 per 256; Q6_K: 210 per 256, as bytes + an int8 scale per 16 + a float32 per 256.
-    held, stored = (2 * (0.5 + 2 / 32 + 8 / 256) + 1 + 1 / 16 + 4 / 256) / 3, (2 * 144 + 210) / 256 / 3
+    # Q4_K: 144 bytes per 256 weights, held as 4-bit indices + a 6-bit scale and min per 32 + two
+    # fp16 per 256 (the file's bytes); Q6_K: 210 per 256, as bytes + an int8 scale per 16 + an fp16
+    # per 256.
+    held, stored = (2 * (0.5 + 2 * 0.75 / 32 + 4 / 256) + 1 + 1 / 16 + 2 / 256) / 3, (2 * 144 + 210) / 256 / 3
     memory = rf"Q4_K/Q6_K experts are held exactly .* {held:.2f} bytes per weight .* {held / stored:.1f}x"
     with pytest.warns(UserWarning, match=memory):
         reader = GGUFLayerReader(file, 0, "GGUF", (512, 256))

@@ -31,6 +31,7 @@ struct Section {
 struct ProjectionEntry {
   int32_t rows, k, scale_group, has_zeros;
   uint64_t group_bytes, group_scale_bytes;
+  // reserved[0]: half_scales | half_factors << 1; [1]: multiple_bits; [2]: multiple_bias (HeldLayout).
   uint8_t indexed, factored_scales, mins, e4m3_scales, reserved[4];
   int8_t levels[kLevels];
   Section values, scales, zeros, factors;  // factors: each expert's fp32 (PackedProjection::factors)
@@ -248,11 +249,18 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
     held->factored_scales = e.factored_scales != 0;
     held->mins = e.mins != 0;
     held->e4m3_scales = e.e4m3_scales != 0;
+    held->half_scales = (e.reserved[0] & 1) != 0;
+    held->half_factors = (e.reserved[0] & 2) != 0;
+    held->multiple_bits = e.reserved[1];
+    held->multiple_bias = e.reserved[2];
     std::memcpy(held->levels.data(), e.levels, kLevels);
+    const bool six = e.reserved[1] == 6 && (e.reserved[2] == 0 || e.reserved[2] == 32);
+    if (e.reserved[0] > 3 || !(six || (e.reserved[1] == 8 && e.reserved[2] == 0)))
+      return what + "a held layout this build lacks";
   } else {
     static const int8_t none[kLevels] = {};
-    if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || e.e4m3_scales != 0 ||
-        std::memcmp(e.levels, none, kLevels) != 0)
+    if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || e.e4m3_scales != 0 || e.reserved[0] != 0 ||
+        e.reserved[1] != 8 || e.reserved[2] != 0 || std::memcmp(e.levels, none, kLevels) != 0)
       return what + "a held layout the format lacks";
   }
   const HeldLayouts* layouts = format.held_layouts;
@@ -287,6 +295,8 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
     e.group_bytes = src.group_bytes, e.group_scale_bytes = src.group_scale_bytes;
     e.indexed = src.held.indexed, e.factored_scales = src.held.factored_scales, e.mins = src.held.mins;
     e.e4m3_scales = src.held.e4m3_scales;
+    e.reserved[0] = uint8_t(src.held.half_scales | src.held.half_factors << 1);
+    e.reserved[1] = src.held.multiple_bits, e.reserved[2] = src.held.multiple_bias;
     std::memcpy(e.levels, src.held.levels.data(), kLevels);
     sizes.values[p] = uint64_t(E) * src.expert_value_bytes();
     sizes.scales[p] = uint64_t(E) * src.expert_scale_bytes();

@@ -45,7 +45,8 @@ def routing(tokens: int, experts: int, top_k: int, generator):
 class GgufBenchKind:
     """How the bench makes a GGUF projection: ``bits``-bit values per ``group`` inputs, unsigned with
     a min per group where ``mins`` (as Q4_K), else signed; the scales (and mins) small integers
-    times one fp16 per 256 inputs where ``factored`` (as the K-quants)."""
+    times one fp16 per 256 inputs where ``factored`` (as the K-quants: 0..63, so the engine holds
+    them as 6-bit multiples of fp16 factors), else float32 (held so)."""
 
     group: int
     bits: int
@@ -59,7 +60,8 @@ class GgufBenchKind:
         return (0, top - 1) if self.mins and self.bits < 8 else (-top // 2, top // 2 - 1)
 
     def bytes_per_weight(self) -> float:
-        return held_bytes_per_weight(4 if self.bits <= 4 else 8, self.group, self.mins, self.factored)
+        bits = 4 if self.bits <= 4 else 8
+        return held_bytes_per_weight(bits, self.group, self.mins, self.factored, self.factored, 6)
 
     @classmethod
     def of_type(cls, type_name: str) -> GgufBenchKind:
