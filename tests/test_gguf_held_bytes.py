@@ -146,17 +146,19 @@ def test_small_mins_stay_exact_in_fp16():
     assert check(tensors) == layout_bytes("Q4_1", half_scales=True)
 
 
-def gate_block_scales(tensors, expert: int = 1, row: int = 5) -> torch.Tensor:
-    """A writable view of the gate's first block of scales (8 per 256 inputs) of one row."""
+def gate_block_scales(tensors, group: int = 32, expert: int = 1, row: int = 5) -> torch.Tensor:
+    """A writable view of the gate's first block of scales (256 / group) of one row."""
     values, pairs = tensors["gate"]
     pairs = pairs.clone()
     tensors["gate"] = (values, pairs)
-    return pairs[expert, row, 0:16:2]
+    return pairs[expert, row, 0 : 2 * 256 // group : 2]
 
 
-def gate_bytes(**layout) -> int:
-    """Q4_K's gate in the (factored) layout given."""
-    return projection_bytes("GGUF", EXPERTS, INTER, HIDDEN, 32, layout=GgufLayout(True, True, True, **layout))
+def gate_bytes(type_name: str = "Q4_K", **layout) -> int:
+    """A gate of type_name in the (factored) layout given."""
+    block = BLOCK_TYPES[type_name]
+    held = GgufLayout(block.held_bits == 4, True, block.mins, **layout)
+    return projection_bytes("GGUF", EXPERTS, INTER, HIDDEN, block.group, layout=held)
 
 
 SIX_BITS = {"half_factors": True, "multiple_bits": 6}
@@ -178,3 +180,38 @@ def test_a_factor_not_an_fp16_keeps_6_bits_with_fp32_factors():
     held = check(tensors)
     fp32 = gate_bytes(half_factors=False, multiple_bits=6)
     assert held == layout_bytes("Q4_K", factored=True, **SIX_BITS) + fp32 - gate_bytes(**SIX_BITS)
+
+
+def test_a_factor_not_an_fp16_with_int8_multiples_keeps_the_fp32_layout():
+    """Q6_K's block of a factor below fp16 and a multiple past 6 bits: fp32 factors first, padded."""
+    tensors = canonical("Q6_K", 7)
+    scales = gate_block_scales(tensors, group=16)
+    scales[:] = torch.tensor([100, *range(-7, 8)]) * 2.0**-30
+    held = check(tensors)
+    halfs = {"half_factors": True, "multiple_bits": 8}
+    fp32 = gate_bytes("Q6_K", half_factors=False, multiple_bits=8)
+    assert held == layout_bytes("Q6_K", factored=True, **halfs) + fp32 - gate_bytes("Q6_K", **halfs)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "IQ4_XS", "Q4_1", "Q6_K"])
+def test_a_saved_engine_maps_back_every_field(tmp_path, type_name):
+    """The packed file keeps the layout's fields (6-bit multiples and their bias, fp16 scales and
+    factors): the mapped engine gives the loaded tensors back bit for bit."""
+    from kt_kernel._native import ext
+
+    tensors = canonical(type_name, 8)
+    packed = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    packed.load(*(t for name in NAMES for t in tensors[name]), torch.arange(EXPERTS))
+    path = str(tmp_path / "engine.ktpacked")
+    packed.save_packed(path, b"")
+    view = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
+    assert view.map_packed(path, True) == ("", b"") and view.mapped
+    assert view.packed_bytes() == packed.packed_bytes()
+    for name in NAMES:
+        values, pairs = tensors[name]
+        rows, k = SHAPES[name]
+        out_values, out_pairs = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, pairs.shape[-1])
+        view.unpack(
+            name, 2, 0, rows, 0, k, out_values.data_ptr(), k, out_pairs.data_ptr(), pairs.shape[-1] * 4
+        )
+        assert torch.equal(out_values, values[2]) and same_bits(out_pairs, pairs[2]), name
