@@ -89,7 +89,7 @@ struct GgufFormat {
   static typename V::Float scale(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
     return entry(w, group_scales, s, 0, first_row);
   }
-  // The mins, which times the group's start (-128 * sum(x)) times -1/128 are min * sum(x); 0 without.
+  // The mins, which the tiles multiply by sum(x) (the group's start, -128 * sum(x), times -1/128); 0 without.
   static typename V::Float min(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
     return w.mins ? entry(w, group_scales, s, 1, first_row) : V::set1_ps(0.0f);
   }

@@ -187,7 +187,7 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // kernels start a scale group's integer sum at -128 * sum(x), the offset, and multiply the min
 // entry by that start times -1/128 (sum(x), exact: a power of two): one fp32 FMA. Where every min
 // is 0 (PackedGroups::mins false), the min entries are left out. Per group, with no padding unless
-// said (only the fp32 layouts need aligned loads):
+// said (aligned loads only for fp32 entries and for fp32 factors before int8 multiples):
 //   unfactored: per scale group s, a scale entry then a min entry, as fp32, or as fp16 where every
 //   scale and min of the projection is one (PackedGroups::half_scales).
 //   factored (PackedGroups::factored_scales; the K-quants' own form): every scale of a row's
