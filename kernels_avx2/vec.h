@@ -106,6 +106,21 @@ struct Vec {
         _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))), 20);
     return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
   }
+  // kLanes fp16 (unaligned) -> fp32, exactly (F16C).
+  static Float half_to_float(const uint8_t* halfs) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halfs)));
+  }
+  // kLanes 6-bit fields (lane i at bits 6i..6i+5 of the 6 bytes; 8 read) minus bias -> fp32: each
+  // lane's two bytes put in place by vpshufb, shifted by its bit offset, masked.
+  static Float six_bits_to_float(const uint8_t* bytes, int bias) {
+    const __m256i raw = _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    const __m256i pairs = _mm256_shuffle_epi8(
+        raw, _mm256_setr_epi8(0, 1, -1, -1, 0, 1, -1, -1, 1, 2, -1, -1, 2, 3, -1, -1,  //
+                              3, 4, -1, -1, 3, 4, -1, -1, 4, 5, -1, -1, 5, 6, -1, -1));
+    const __m256i fields =
+        _mm256_and_si256(_mm256_srlv_epi32(pairs, _mm256_setr_epi32(0, 6, 4, 2, 0, 6, 4, 2)), _mm256_set1_epi32(63));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(fields, _mm256_set1_epi32(bias)));
+  }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m256i bits =
         _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales))), 23);

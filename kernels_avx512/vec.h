@@ -86,6 +86,23 @@ struct Vec {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(bytes, 20)), _mm512_set1_ps(0x1p120f));
   }
+  // kLanes fp16 (unaligned) -> fp32, exactly (F16C's AVX512 form).
+  static Float half_to_float(const uint8_t* halfs) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halfs)));
+  }
+  // kLanes 6-bit fields (lane i at bits 6i..6i+5 of the 12 bytes; 16 read) minus bias -> fp32, as
+  // the AVX2 one: the 16 bytes in every 128-bit lane, each lane's two bytes put in place by vpshufb.
+  static Float six_bits_to_float(const uint8_t* bytes, int bias) {
+    alignas(64) static constexpr int8_t kPairs[64] = {
+        0, 1, -1, -1, 0, 1, -1, -1, 1, 2,  -1, -1, 2,  3,  -1, -1, 3,  4,  -1, -1, 3,  4,
+        -1, -1, 4, 5, -1, -1, 5, 6, -1, -1, 6, 7,  -1, -1, 6,  7,  -1, -1, 7,  8,  -1, -1,
+        8, 9, -1, -1, 9, 10, -1, -1, 9, 10, -1, -1, 10, 11, -1, -1, 11, 12, -1, -1};
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    const __m512i pairs = _mm512_shuffle_epi8(raw, _mm512_load_si512(kPairs));
+    const __m512i shifts = _mm512_setr_epi32(0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2, 0, 6, 4, 2);
+    const __m512i fields = _mm512_and_si512(_mm512_srlv_epi32(pairs, shifts), _mm512_set1_epi32(63));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(fields, _mm512_set1_epi32(bias)));
+  }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)));
     return _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(bytes, 23), _mm512_set1_epi32(kE8M0ZeroBits)));

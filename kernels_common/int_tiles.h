@@ -6,7 +6,9 @@
 // V provides: Int, Float, kLanes, load(const uint8_t*), load_ps, loadu_ps, set1, set1_ps, and_, or_, srli_epi32,
 // slli_epi32, add_epi8, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, add_ps, storeu_ps, lookup16(table,
 // indices) (a byte per index < 16), e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
-// fp32 denormal 2^-127) and e4m3_to_float(kLanes bytes) (unsigned E4M3 codes, exactly).
+// fp32 denormal 2^-127), e4m3_to_float(kLanes bytes) (unsigned E4M3 codes, exactly),
+// half_to_float(kLanes fp16, unaligned) and six_bits_to_float(bytes, bias) (kLanes 6-bit fields, lane
+// i at bits 6i..6i+5, minus bias; reads up to 16 bytes).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
 // 32-bit lane sum of 4 u8 x s8 (or, MaddwdDot, u8 x s16), kQuadsPerSum (how many quads an int32
@@ -79,8 +81,8 @@ struct Mxfp4Format {
 };
 
 // GGUF: int8 values stored as q + 128 in the INT8 layout (a line is a quad, two lines an octet), a
-// scale and a min per G = 16 or 32 inputs, fp32 or factored (kernels.h). Never on vpmaddubsw: byte
-// weights would saturate its int16 sums.
+// scale and a min per G = 16 or 32 inputs, fp32, fp16 or factored (kernels.h). Never on vpmaddubsw:
+// byte weights would saturate its int16 sums.
 template <class V>
 struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
@@ -91,7 +93,7 @@ struct GgufFormat {
   static typename V::Float scale(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
     return entry(w, group_scales, s, 0, first_row);
   }
-  // -min / 128, which times the group's start (-128 * sum(x)) is min * sum(x); 0 without mins.
+  // The mins, which the tiles multiply by sum(x) (the group's start, -128 * sum(x), times -1/128); 0 without.
   static typename V::Float min(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
     return w.mins ? entry(w, group_scales, s, 1, first_row) : V::set1_ps(0.0f);
   }
@@ -100,12 +102,18 @@ struct GgufFormat {
   // slower (T = 512, avx512, one process, interleaved), the fp32 one no faster.
   static typename V::Float entry(const PackedGroups& w, const uint8_t* group_scales, int s, int entry, int first_row) {
     if (w.e4m3_scales) return V::e4m3_to_float(group_scales + s * kGroupRows + first_row);  // no mins
-    const float* floats = reinterpret_cast<const float*>(group_scales);
     const int at = gguf_entry_index(s, entry, w.mins) + first_row;
-    if (!w.factored_scales) return V::load_ps(floats + at);
-    const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
-    return V::mul(V::int8_to_float(multiples + at),
-                  V::load_ps(floats + gguf_factor_index(s, entry, w.scale_group, w.mins) + first_row));
+    if (!w.factored_scales)
+      return w.half_scales ? V::half_to_float(group_scales + 2 * at)
+                           : V::load_ps(reinterpret_cast<const float*>(group_scales) + at);
+    const uint8_t* multiples = group_scales + gguf_multiples_offset(w, w.k);
+    const typename V::Float multiple =
+        w.multiple_bits == 6 ? V::six_bits_to_float(multiples + at * 6 / 8, w.multiple_bias)
+                             : V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + at);
+    const uint8_t* factors = group_scales + gguf_factors_offset(w, w.k, w.scale_group);
+    const int f = gguf_factor_index(s, entry, w.scale_group, w.mins) + first_row;
+    return V::mul(multiple, w.half_factors ? V::half_to_float(factors + 2 * f)
+                                           : V::loadu_ps(reinterpret_cast<const float*>(factors) + f));
   }
 };
 
@@ -425,8 +433,9 @@ struct IntTiles {
           } while ((c += kLinesPerStep) < (s + 1) * lines_per_scale);
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
-            // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32 (GGUF's mins).
-            const Float start = V::set1_ps(float(x[i].group_starts[s]));
+            // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32, and so is
+            // sum(x), what GGUF's mins are multiplied by.
+            const Float start = V::set1_ps(float(x[i].group_starts[s]) * (-1.0f / kInt8Offset));
             for (int v = 0; v < kVecs; ++v) {
               Int sum = part[i][0][v];
               if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);

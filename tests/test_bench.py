@@ -196,7 +196,8 @@ def test_formats_with_a_group_size(tmp_path):
     from kt_kernel.bench_common import weight_bytes
 
     assert weight_bytes("fp8:16") == 1 + 4 / 16 and weight_bytes("int4:32") == 0.5 + 4 / 32
-    q4_k, q6_k = 0.5 + 2 * (1 / 32 + 4 / 256), 0.75 + 1 / 16 + 4 / 256  # factored scales; Q6_K: no mins
+    # held as their files: Q4_K's 6-bit multiples, Q6_K's 6-bit values and int8 multiples, fp16 factors
+    q4_k, q6_k = 144 / 256, 210 / 256
     assert weight_bytes("gguf") == (2 * q4_k + q6_k) / 3  # Q4_K_M's mix
     assert weight_bytes("gguf:16") == 1 + 4 / 16
     out = tmp_path / "bench.json"

@@ -6,6 +6,8 @@ inputs: Q8_0 and Q5_0). test_variants runs it under every build and path."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -25,7 +27,8 @@ EXPERTS, TOP_K = 4, 2
 
 def realistic_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Valid random blocks with the scales of real weights: every fp16 d / dmin about 2^-8 (either
-    sign), MXFP4's E8M0 exponents 2^-9..2^-5, so that the outputs stay far from overflow."""
+    sign), MXFP4's E8M0 exponents 2^-9..2^-5, NVFP4's E4M3 scales 2^-3..2^0, so that the outputs stay
+    far from overflow."""
     blocks = random_blocks(type_name, rows, k, rng)
     block = BLOCK_TYPES[type_name]
     blocks = blocks.reshape(-1, block.block_bytes)
@@ -34,6 +37,8 @@ def realistic_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator
         blocks[:, offset : offset + 2] = field.view(np.uint8).reshape(-1, 2)
     if type_name == "MXFP4":
         blocks[:, 0] = rng.integers(119, 123, len(blocks))
+    if type_name == "NVFP4":  # E4M3 scales as a quantizer writes them: no sign bit, no NaN, 2^-3..2^0
+        blocks[:, 0:4] = rng.integers(0x28, 0x40, (len(blocks), 4))
     return blocks.reshape(rows, -1)
 
 
@@ -49,22 +54,26 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     moe = moe_wrapper(EXPERTS, TOP_K, hidden, inter, method="GGUF", weight_path=str(path))
     moe.load_weights()
     # Held as BLOCK_TYPES says: values in its held bits (4-bit indices, 5- or 6-bit planes, bytes),
-    # scales factored or fp32, mins where it has them; the types whose scales the data decides
-    # (factored None: MXFP4, NVFP4) also as E4M3 bytes times an fp32 per matrix (powers of two and
-    # E4M3 values are E4M3 codes).
-    held = []
-    for factored, e4m3 in ((False, False), (True, False), (False, True)):
-        total = 0
-        for name, (rows, k) in (
-            ("gate", (inter, hidden)),
-            ("up", (inter, hidden)),
-            ("down", (hidden, inter)),
-        ):
-            block = BLOCK_TYPES[types[name]]
-            as_type = block.factored if block.factored is not None else factored
-            as_e4m3 = e4m3 and block.factored is None and not block.mins
-            total += held_bytes(rows, k, block.group, block.held_bits, as_type, block.mins, as_e4m3)
-        held.append(EXPERTS * total)
+    # scales factored (6-bit or int8 multiples of fp16 factors) or fp16, mins where it has them; the
+    # types whose scales the data decides (factored None: MXFP4, NVFP4) in any layout, E4M3 bytes
+    # times an fp32 per matrix among them (powers of two and E4M3 values are E4M3 codes).
+    options = []
+    for name, (rows, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        block = BLOCK_TYPES[types[name]]
+        if block.factored is None:
+            layouts = [(False, False, half, 8) for half in (False, True)] + [(False, True, False, 8)] * (
+                not block.mins
+            )
+            layouts += [(True, False, half, bits) for half in (False, True) for bits in (6, 8)]
+        else:
+            layouts = [(block.factored, False, block.half, block.multiple_bits if block.factored else 8)]
+        options.append(
+            [
+                held_bytes(rows, k, block.group, block.held_bits, f, block.mins, e, h, b)
+                for f, e, h, b in layouts
+            ]
+        )
+    held = {EXPERTS * sum(choice) for choice in itertools.product(*options)}
     assert sum(sp.engine.packed_bytes() for sp in moe._subpools) in held
     x = activations(tokens, hidden, 100)
     ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)
@@ -120,8 +129,13 @@ def test_five_and_six_bit_types_are_held_in_value_planes_exactly(tmp_path, type_
                          torch.from_numpy(pairs).reshape(EXPERTS, rows, -1))  # fmt: skip
     engine = ext.MoEEngine(EXPERTS, TOP_K, hidden, inter, "GGUF", 1, [])
     engine.load(*(t for pair in tensors.values() for t in pair), torch.arange(EXPERTS))
+    factored = bool(block.factored)
+    multiple_bits = block.multiple_bits if factored else 8
     held = sum(
-        held_bytes(r, k, block.group, bits, bool(block.factored), block.mins) for r, k in shapes.values()
+        held_bytes(
+            r, k, block.group, bits, factored, block.mins, half=block.half, multiple_bits=multiple_bits
+        )
+        for r, k in shapes.values()
     )
     assert engine.packed_bytes() == EXPERTS * held
     for name, (rows, k) in shapes.items():

@@ -23,7 +23,8 @@ def gguf_tensor(
     """Random values [E, rows, k] (-128..127) and (scale, min) pairs [E, rows, 2k/group]: the
     scales spread over 2^-4..2^4 of 2^-10 per row, the mins up to 40 scales either way (a K-quant's
     min can be as large as its values' range). Factored: as the K-quants store them, every scale
-    and min an int8 multiple of one fp16 per 256 inputs (the engine then holds them so)."""
+    and min an int8 multiple of one fp16 per 256 inputs (the engine then holds them so: int8
+    multiples of fp16 factors)."""
     values = torch.randint(-128, 128, (experts, rows, k), generator=g, dtype=torch.int8)
     shape = (experts, rows, k // group)
     if factored:
@@ -43,11 +44,23 @@ def gguf_tensor(
 
 
 def held_bytes(
-    rows: int, k: int, group: int, value_bits: int, factored: bool, mins: bool, e4m3: bool = False
+    rows: int,
+    k: int,
+    group: int,
+    value_bits: int,
+    factored: bool,
+    mins: bool,
+    e4m3: bool = False,
+    half: bool = False,
+    multiple_bits: int = 8,
 ) -> int:
     """The bytes of one packed matrix in the layout given (kt_kernel.held_bytes, src/core/kernels.h):
-    values in value_bits bits (8: bytes, 4: indices, 5 or 6: value planes)."""
-    return projection_bytes("GGUF", 1, rows, k, group, layout=GgufLayout(value_bits, factored, mins, e4m3))
+    values in value_bits bits (8: bytes, 4: indices, 5 or 6: value planes); ``half``, fp16 scales or
+    (factored) factors."""
+    halfs = (half and not factored, half and factored)
+    return projection_bytes(
+        "GGUF", 1, rows, k, group, layout=GgufLayout(value_bits, factored, mins, e4m3, *halfs, multiple_bits)
+    )
 
 
 def decoded(values: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
@@ -168,9 +181,11 @@ def engine_bytes(gate, up, down) -> int:
 
 
 def expected_bytes(groups: tuple[int, int], value_bits: int, factored: bool, mins: bool) -> int:
-    """An engine's bytes (held_bytes) where gate and up are held alike and down as bytes."""
-    gate_up = held_bytes(INTER, HIDDEN, groups[0], value_bits, factored, mins)
-    return EXPERTS * (2 * gate_up + held_bytes(HIDDEN, INTER, groups[1], 8, factored, mins))
+    """An engine's bytes (held_bytes) where gate and up are held alike and down as bytes; factored
+    scales (gguf_tensor's) as int8 multiples of fp16 factors."""
+    gate_up = held_bytes(INTER, HIDDEN, groups[0], value_bits, factored, mins, half=factored)
+    down = held_bytes(HIDDEN, INTER, groups[1], 8, factored, mins, half=factored)
+    return EXPERTS * (2 * gate_up + down)
 
 
 @pytest.mark.parametrize("levels", LEVELS)
@@ -206,7 +221,7 @@ def test_scales_are_factored_and_mins_left_out_where_the_data_allows(groups, min
             groups, 8, factored, mins
         ) + EXPERTS * (
             held_bytes(INTER, HIDDEN, groups[0], 8, False, mins)
-            - held_bytes(INTER, HIDDEN, groups[0], 8, True, mins)
+            - held_bytes(INTER, HIDDEN, groups[0], 8, True, mins, half=True)
         )
 
 
@@ -264,9 +279,9 @@ def test_a_block_of_zero_scales_comes_back_with_its_signs(zeros):
         block[1] = 0.0
     tensors[0] = (values, pairs)
     factored = zeros == "-0"
-    gate_up = [held_bytes(INTER, HIDDEN, 32, 8, f, True) for f in (factored, True)]
+    gate_up = [held_bytes(INTER, HIDDEN, 32, 8, f, True, half=f) for f in (factored, True)]
     assert engine_bytes(*tensors) == EXPERTS * (
-        gate_up[0] + gate_up[1] + held_bytes(HIDDEN, INTER, 32, 8, True, True)
+        gate_up[0] + gate_up[1] + held_bytes(HIDDEN, INTER, 32, 8, True, True, half=True)
     )
     assert same_bits(unpacked(tensors, "gate", 0, HIDDEN)[1], pairs[3, 16:32])
 
@@ -324,7 +339,8 @@ def test_a_later_part_that_does_not_fit_how_the_first_is_held_is_held_anew(misfi
     whole = ext.MoEEngine(EXPERTS, TOP_K, HIDDEN, INTER, "GGUF", 1, [])
     whole.load(*as_loaded, torch.arange(EXPERTS))
     fitting = EXPERTS * (
-        2 * held_bytes(INTER, HIDDEN, 32, 4, True, mins) + held_bytes(HIDDEN, INTER, 32, 4, True, mins)
+        2 * held_bytes(INTER, HIDDEN, 32, 4, True, mins, half=True)
+        + held_bytes(HIDDEN, INTER, 32, 4, True, mins, half=True)
     )
     assert engine.packed_bytes() == whole.packed_bytes() > fitting  # gate held as the whole layer needs
     for expert in (0, EXPERTS // 2 - 1, EXPERTS - 1):

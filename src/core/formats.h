@@ -39,13 +39,16 @@ constexpr int kEndOfList = -1;
 // How a projection is held, where its format chooses by the data (GGUF, kernels.h): values as bytes
 // (value_bits 8), 4-bit indices into `levels` (each + 128; value_bits 4) or value planes of 5 or 6
 // bits (levels[0]: the lowest value + 128, the rest 0), scales factored or as E4M3 bytes times a
-// factor per matrix, mins left out where every min is 0.
+// factor per matrix, mins left out where every min is 0; fp16 entries or factors and 6-bit
+// multiples where exact.
 struct HeldLayout {
   uint8_t value_bits = 8;
   alignas(16) std::array<int8_t, kLevels> levels{};
   bool factored_scales = false;
   bool mins = true;
   bool e4m3_scales = false;
+  bool half_scales = false, half_factors = false;
+  uint8_t multiple_bits = 8, multiple_bias = 0;
 };
 
 // Canonical matrices (rows x k) of one projection (FormatTraits' layout), `count` of them.

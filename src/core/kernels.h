@@ -122,8 +122,10 @@ struct PackedGroups {
   // + 128); 8 in the other layouts.
   int value_bits = 8;
   uint8_t value_offset = 0;
-  // GGUF's scales factored, and whether it holds mins (above).
-  bool factored_scales = false, mins = true;
+  // GGUF's scales factored, and whether it holds mins (above); fp16 unfactored entries, fp16 factors,
+  // and the bits of a factored multiple (8, or 6: stored + multiple_bias, 0 or 32).
+  bool factored_scales = false, mins = true, half_scales = false, half_factors = false;
+  uint8_t multiple_bits = 8, multiple_bias = 0;
   // GGUF's scales as unsigned E4M3 bytes (NVFP4's own), and the matrix's fp32 factor: every output
   // is multiplied by it (1 in the other layouts).
   bool e4m3_scales = false;
@@ -180,7 +182,8 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // ---- GGUF (llama.cpp's integer block types, held as int8 values with a scale and a min per group)
 // Every weight is q * scale + min, q an int8, scale and min fp32 per G = 16 or 32 inputs of a row
 // (kt_kernel/gguf_blocks.py turns each ggml type into that exactly). How a projection is held is
-// chosen by its data at load (HeldLayout, formats.h), always exactly:
+// chosen by its data at load (HeldLayout, formats.h), always exactly (bit for bit, as the kernels
+// compute each scale and min):
 // Values: the INT8 layout above (q + 128); or, where every value of the projection is one of 16
 // levels (the 4-bit and smaller ggml types), 4-bit indices into them in the INT4 layout, the levels
 // + 128 in PackedGroups::levels; or, where every value lies in [lowest, lowest + 2^b) with b = 6, or
@@ -194,19 +197,32 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // p = h (2l + n). Shifted by 4 - p (within a 32-bit word), masked to bits 4..3+h of each byte and
 // or-ed with the masked nibbles, they make the bytes v of an INT8-layout quad; the kernels add
 // value_offset (mod 256) for q + 128.
-// Scales and mins: each entry is 16 rows' scales, or 16 rows' mins packed as -min / 128 (the
-// kernels start a scale group's integer sum at -128 * sum(x), the offset, so that start times
-// -min / 128 is min * sum(x): one fp32 FMA). Where every min is 0 (PackedGroups::mins false), the
-// min entries are left out. Per group:
-//   unfactored: per scale group s, a scale entry then a min entry, as fp32;
+// Scales and mins: each entry is 16 rows' scales or 16 rows' mins (row r the r-th value). The
+// kernels start a scale group's integer sum at -128 * sum(x), the offset, and multiply the min
+// entry by that start times -1/128 (sum(x), exact: a power of two): one fp32 FMA. Where every min
+// is 0 (PackedGroups::mins false), the min entries are left out. Per group, with no padding unless
+// said (aligned loads only for fp32 entries and for fp32 factors before int8 multiples):
+//   unfactored: per scale group s, a scale entry then a min entry, as fp32, or as fp16 where every
+//   scale and min of the projection is one (PackedGroups::half_scales).
 //   factored (PackedGroups::factored_scales; the K-quants' own form): every scale of a row's
-//   kGgufBlockInputs inputs is an int8 multiple of one fp32 (exactly: found and checked at load),
-//   and so is every min. First, per block of kGgufBlockInputs inputs, the fp32 entries of those
-//   factors; then, per scale group s, the entries of int8 multiples. scale = multiple * factor.
+//   kGgufBlockInputs inputs is an integer multiple of one factor (exactly: found and checked at
+//   load), and so is every min; scale = multiple * factor. The factors are fp32, or fp16 where
+//   every one is (half_factors); the multiples int8 (multiple_bits 8), or, where every multiple of
+//   the projection is in 0..63 (Q4_K's, Q5_K's, Q2_K's) or -32..31 (IQ4_XS's, Q3_K's), 6 bits
+//   (multiple_bits 6): multiple + multiple_bias (0 or 32), row r at bits 6r..6r+5 of the entry's
+//   12 bytes (little-endian). Two orders:
+//     fp32 factors and int8 multiples: first, per block of kGgufBlockInputs inputs, the fp32
+//     entries of those factors; then, per scale group s, the entries of int8 multiples; the group
+//     padded to whole 64-byte lines (aligned factors);
+//     the others: first, per scale group s, the entries of multiples; then, per block, the entries
+//     of factors (so that the kernels' 6-bit reads, up to 4 bytes past an entry, stay in the group).
 //   E4M3 (PackedGroups::e4m3_scales; NVFP4's form, no mins): every scale of the matrix is an
 //   unsigned E4M3 value times one fp32 factor per matrix (exactly: found and checked at load), held
 //   as that byte: per scale group s, 16 bytes, one per row, and the factor in
 //   PackedGroups::scale_factor (PackedProjection::factors), applied to the outputs: the file's bytes.
+// So per 256 inputs of a row: Q4_0, IQ4_NL 128 + 16 bytes, Q8_0 256 + 16, Q4_1 128 + 32 (fp16
+// entries); Q4_K 128 + 12 + 4, Q5_K 256 + 12 + 4, IQ4_XS 128 + 6 + 2 (6-bit multiples, fp16
+// factors); Q6_K 256 + 16 + 2 (int8 multiples, fp16 factors): the scales in no more than the file's.
 constexpr int kLevels = 16;
 constexpr int kGgufBlockInputs = 256;
 inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
@@ -215,20 +231,40 @@ constexpr int plane_lines(int bits) { return 4 / (bits - 4); }
 inline size_t planar_group_bytes(int k, int bits) { return size_t(k) * bits / 8 * kGroupRows; }
 // Entries per scale group: a scale, and a min unless they are left out.
 constexpr int gguf_entries(bool mins) { return mins ? 2 : 1; }
-// Where scale group s's entry (0: its scales, 1: its mins) starts in one group's packed scales:
-// unfactored, the index of its fp32s; factored, of its int8 multiples (past gguf_multiples_offset).
+// Where scale group s's entry (0: its scales, 1: its mins) starts in one group's packed scales, in
+// values (fp32 or fp16; factored: multiples, past gguf_multiples_offset).
 inline int gguf_entry_index(int s, int entry, bool mins) { return (s * gguf_entries(mins) + entry) * kGroupRows; }
-// Factored: the index of the fp32 factors of scale group s's entry.
+// Factored: the index of the factors of scale group s's entry (past gguf_factors_offset).
 inline int gguf_factor_index(int s, int entry, int scale_group, bool mins) {
   return gguf_entry_index(s * scale_group / kGgufBlockInputs, entry, mins);
 }
-// Where a group's int8 multiples start, in factored scales.
-inline size_t gguf_multiples_offset(int k, bool mins) {
-  return size_t(ceil_div(k, kGgufBlockInputs)) * gguf_entries(mins) * kGroupRows * sizeof(float);
+// The layout of a group's scales, of anything with PackedGroups' fields (PackedGroups, HeldLayout).
+// Factored with fp32 factors and int8 multiples: factors first, in whole lines.
+template <class L>
+bool gguf_factors_first(const L& l) {
+  return !l.half_factors && l.multiple_bits == 8;
 }
-inline size_t gguf_group_scale_bytes(int k, int scale_group, bool factored, bool mins) {
-  const size_t entries = size_t(k / scale_group) * gguf_entries(mins) * kGroupRows;
-  return factored ? round_up(int(gguf_multiples_offset(k, mins) + entries), 64) : entries * sizeof(float);
+inline size_t gguf_factor_bytes(int k, bool mins, bool half) {
+  return size_t(ceil_div(k, kGgufBlockInputs)) * gguf_entries(mins) * kGroupRows * (half ? 2 : 4);
+}
+inline size_t gguf_multiple_bytes(int k, int scale_group, bool mins, int bits) {
+  return size_t(k / scale_group) * gguf_entries(mins) * kGroupRows * bits / 8;
+}
+template <class L>
+size_t gguf_multiples_offset(const L& l, int k) {
+  return gguf_factors_first(l) ? gguf_factor_bytes(k, l.mins, false) : 0;
+}
+template <class L>
+size_t gguf_factors_offset(const L& l, int k, int scale_group) {
+  return gguf_factors_first(l) ? 0 : gguf_multiple_bytes(k, scale_group, l.mins, l.multiple_bits);
+}
+template <class L>
+size_t gguf_group_scale_bytes(const L& l, int k, int scale_group) {
+  const size_t entries = size_t(k / scale_group) * gguf_entries(l.mins) * kGroupRows;
+  if (!l.factored_scales) return entries * (l.half_scales ? 2 : 4);
+  const size_t bytes = gguf_factor_bytes(k, l.mins, l.half_factors) +
+                       gguf_multiple_bytes(k, scale_group, l.mins, l.multiple_bits);
+  return gguf_factors_first(l) ? size_t(round_up(int(bytes), 64)) : bytes;
 }
 // E4M3 scales: a byte per row and scale group, no padding (held <= NVFP4's file bytes).
 inline size_t gguf_e4m3_scale_bytes(int k, int scale_group) { return size_t(k / scale_group) * kGroupRows; }

@@ -32,7 +32,8 @@ struct Section {
 struct ProjectionEntry {
   int32_t rows, k, scale_group, has_zeros;
   uint64_t group_bytes, group_scale_bytes;
-  uint8_t indexed, factored_scales, mins, e4m3_scales, reserved[3], value_bits;
+  // HeldLayout's fields; half: half_scales | half_factors << 1.
+  uint8_t indexed, factored_scales, mins, e4m3_scales, half, multiple_bits, multiple_bias, value_bits;
   int8_t levels[kLevels];
   Section values, scales, zeros, factors;  // factors: each expert's fp32 (PackedProjection::factors)
 };
@@ -249,6 +250,10 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
     held->factored_scales = e.factored_scales != 0;
     held->mins = e.mins != 0;
     held->e4m3_scales = e.e4m3_scales != 0;
+    held->half_scales = (e.half & 1) != 0;
+    held->half_factors = (e.half & 2) != 0;
+    held->multiple_bits = e.multiple_bits;
+    held->multiple_bias = e.multiple_bias;
     std::memcpy(held->levels.data(), e.levels, kLevels);
     // Planes: levels[0] alone (their offset).
     const bool planes = e.value_bits == 5 || e.value_bits == 6;
@@ -256,10 +261,13 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
         (planes && std::any_of(e.levels + 1, e.levels + kLevels, [](int8_t l) { return l != 0; })) ||
         (e.value_bits == 5 && e.scale_group % 32 != 0))
       return what + "a value layout the format lacks";
+    const bool six = e.multiple_bits == 6 && (e.multiple_bias == 0 || e.multiple_bias == 32);
+    if (e.half > 3 || !(six || (e.multiple_bits == 8 && e.multiple_bias == 0)))
+      return what + "a scale layout the format lacks";
   } else {
     static const int8_t none[kLevels] = {};
     if (e.indexed != 0 || e.factored_scales != 0 || e.mins != 1 || e.e4m3_scales != 0 || e.value_bits != 8 ||
-        std::memcmp(e.levels, none, kLevels) != 0)
+        e.half != 0 || e.multiple_bits != 8 || e.multiple_bias != 0 || std::memcmp(e.levels, none, kLevels) != 0)
       return what + "a held layout the format lacks";
   }
   const HeldLayouts* layouts = format.held_layouts;
@@ -295,6 +303,8 @@ void write_packed_file(const std::string& path, const ExpertWeights& w, const Mo
     e.indexed = src.held.value_bits == 4, e.value_bits = src.held.value_bits;
     e.factored_scales = src.held.factored_scales, e.mins = src.held.mins;
     e.e4m3_scales = src.held.e4m3_scales;
+    e.half = uint8_t(src.held.half_scales | src.held.half_factors << 1);
+    e.multiple_bits = src.held.multiple_bits, e.multiple_bias = src.held.multiple_bias;
     std::memcpy(e.levels, src.held.levels.data(), kLevels);
     sizes.values[p] = uint64_t(E) * src.expert_value_bytes();
     sizes.scales[p] = uint64_t(E) * src.expert_scale_bytes();

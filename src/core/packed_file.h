@@ -21,7 +21,8 @@ KT_NAMESPACE_BEGIN
 
 // Bump whenever a format's packed layout (kernels.h) or this file's layout changes: files of other
 // versions are refused and packed again.
-// 2: sections at 2 MiB; 3: E4M3 scales and factors; 4: GGUF's value planes.
+// 2: sections at 2 MiB; 3: E4M3 scales and factors; 4: GGUF's value planes, fp16 scales and factors,
+// 6-bit multiples, mins held as themselves.
 constexpr uint32_t kPackedFileVersion = 4;
 
 // Writes `w` (loaded, in the engine's `shape` and `format`) and `meta` to a new file `path` (it must

@@ -101,6 +101,10 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   groups.factored_scales = held.factored_scales;
   groups.mins = held.mins;
   groups.e4m3_scales = held.e4m3_scales;
+  groups.half_scales = held.half_scales;
+  groups.half_factors = held.half_factors;
+  groups.multiple_bits = held.multiple_bits;
+  groups.multiple_bias = held.multiple_bias;
   if (size_t(expert) < factors.size()) groups.scale_factor = factors[expert];
   return groups;
 }

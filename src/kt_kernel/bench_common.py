@@ -45,12 +45,15 @@ def routing(tokens: int, experts: int, top_k: int, generator):
 class GgufBenchKind:
     """How the bench makes a GGUF projection: ``bits``-bit values per ``group`` inputs, unsigned with
     a min per group where ``mins`` (as Q4_K), else signed; the scales (and mins) small integers
-    times one fp16 per 256 inputs where ``factored`` (as the K-quants)."""
+    times one fp16 per 256 inputs where ``factored`` (as the K-quants), of ``multiple_bits`` (6: up
+    to 63, as Q4_K's, held as 6-bit multiples; 8: up to 127, as Q6_K's int8 scales), else float32
+    (held so)."""
 
     group: int
     bits: int
     mins: bool = False
     factored: bool = False
+    multiple_bits: int = 6
 
     @property
     def value_range(self) -> tuple[int, int]:
@@ -59,8 +62,9 @@ class GgufBenchKind:
         return (0, top - 1) if self.mins and self.bits < 8 else (-top // 2, top // 2 - 1)
 
     def bytes_per_weight(self) -> float:
+        bits = held_value_bits(self.bits, self.group)
         return held_bytes_per_weight(
-            held_value_bits(self.bits, self.group), self.group, self.mins, self.factored
+            bits, self.group, self.mins, self.factored, self.factored, self.multiple_bits
         )
 
     @classmethod
@@ -68,7 +72,7 @@ class GgufBenchKind:
         """The kind a ggml type runs as (BLOCK_TYPES): its group, its held bits (4: indices, 5 or 6:
         value planes, 8: bytes), its mins, its scales factored where the type's always are."""
         block = BLOCK_TYPES[type_name.upper()]
-        return cls(block.group, block.held_bits, block.mins, bool(block.factored))
+        return cls(block.group, block.held_bits, block.mins, bool(block.factored), block.multiple_bits)
 
 
 #: The GGUF rows: ``gguf`` is Q4_K_M's mix, gate and up as Q4_K (4-bit values and a min per 32
@@ -78,7 +82,7 @@ class GgufBenchKind:
 GGUF_BENCH_LAYOUT = {
     "gate": GgufBenchKind.of_type("Q4_K"),
     "up": GgufBenchKind.of_type("Q4_K"),
-    "down": GgufBenchKind(16, 6, factored=True),
+    "down": GgufBenchKind.of_type("Q6_K"),
 }
 PROJECTIONS = ("gate", "up", "down")
 
@@ -164,7 +168,8 @@ def gguf_bench_tensor(weight, kind: GgufBenchKind):
         minimum = torch.zeros(blocks.shape[:-1])
         scale = blocks.abs().amax(dim=-1) / high
     if kind.factored:
-        scale, minimum = _factored(scale, kind.group), _factored(minimum, kind.group)
+        top = 127 if kind.multiple_bits == 8 else 63
+        scale, minimum = _factored(scale, kind.group, top), _factored(minimum, kind.group, top)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((blocks - minimum[..., None]) / safe[..., None]).clamp(low, high)
     pairs = torch.stack([scale, minimum], dim=-1).reshape(*scale.shape[:-1], -1)

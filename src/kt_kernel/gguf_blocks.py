@@ -39,9 +39,12 @@ class BlockType:
     (scale, min) pair, the function from blocks to (values, pairs), and how the engine holds it
     (src/core/kernels.h): a value in ``held_bits`` (4 where the values are at most 16 levels: the
     engine indexes them; 5 or 6 where they span 32 or 64 integers: value planes); a min only where
-    the type has them (``mins``); the scales ``factored``, as int8 multiples of one float32 per 256
-    inputs, where the type's scales are small integers times one fp16 per block (None: where the
-    data allows, which the engine checks at load)."""
+    the type has them (``mins``); the scales ``factored``, as multiples of ``multiple_bits`` (6 where
+    the type's are 6-bit or smaller, else 8) of one fp16 per 256 inputs, where the type's scales are
+    small integers times one fp16 per block (None: where the data allows, which the engine checks at
+    load); else each scale and min an fp16 where ``half`` (the type's are), else a float32. The
+    engine checks each choice on the data at load and falls back to float32 where it is not exact (a
+    corrupt fp16 field, say)."""
 
     block_inputs: int
     block_bytes: int
@@ -50,18 +53,29 @@ class BlockType:
     held_bits: int = 8
     mins: bool = False
     factored: bool | None = False
+    half: bool = True
+    multiple_bits: int = 8
 
     def held_bytes_per_weight(self) -> float:
         """The engine's bytes per weight (None ``factored``: as float32 scales, the most it takes)."""
-        return held_bytes_per_weight(self.held_bits, self.group, self.mins, bool(self.factored))
+        half = self.half and self.factored is not None
+        return held_bytes_per_weight(
+            self.held_bits, self.group, self.mins, bool(self.factored), half, self.multiple_bits
+        )
 
 
-def held_bytes_per_weight(held_bits: int, group: int, mins: bool, factored: bool) -> float:
+def held_bytes_per_weight(
+    held_bits: int, group: int, mins: bool, factored: bool, half: bool = False, multiple_bits: int = 8
+) -> float:
     """Bytes per weight the engine holds GGUF's values and scales in (kernels.h), its rounding aside:
-    a value in ``held_bits``; per group a scale, and a min where there are mins, each a float32, or
-    where ``factored`` an int8 plus a float32 per 256 inputs."""
+    a value in ``held_bits``; per group a scale, and a min where there are mins, each a float32 (an
+    fp16 where ``half``), or where ``factored`` a multiple of ``multiple_bits`` plus a float32 (an
+    fp16 where ``half``) per 256 inputs."""
     entries = 2 if mins else 1
-    return held_bits / 8 + (entries * (1 / group + 4 / 256) if factored else entries * 4 / group)
+    number = 2 if half else 4
+    if factored:
+        return held_bits / 8 + entries * (multiple_bits / 8 / group + number / 256)
+    return held_bits / 8 + entries * number / group
 
 
 def held_value_bits(bits: int, group: int) -> int:
@@ -240,15 +254,15 @@ BLOCK_TYPES: dict[str, BlockType] = {
     "Q4_1": BlockType(32, 20, 32, _q4_1, held_bits=4, mins=True),
     "Q5_0": BlockType(32, 22, 32, _q5_0, held_bits=5),
     "Q5_1": BlockType(32, 24, 32, _q5_1, held_bits=5, mins=True),
-    "Q2_K": BlockType(256, 84, 16, _q2_k, held_bits=4, mins=True, factored=True),
-    "Q3_K": BlockType(256, 110, 16, _q3_k, held_bits=4, factored=True),
-    "Q4_K": BlockType(256, 144, 32, _q4_k, held_bits=4, mins=True, factored=True),
-    "Q5_K": BlockType(256, 176, 32, _q5_k, held_bits=5, mins=True, factored=True),
+    "Q2_K": BlockType(256, 84, 16, _q2_k, held_bits=4, mins=True, factored=True, multiple_bits=6),
+    "Q3_K": BlockType(256, 110, 16, _q3_k, held_bits=4, factored=True, multiple_bits=6),
+    "Q4_K": BlockType(256, 144, 32, _q4_k, held_bits=4, mins=True, factored=True, multiple_bits=6),
+    "Q5_K": BlockType(256, 176, 32, _q5_k, held_bits=5, mins=True, factored=True, multiple_bits=6),
     "Q6_K": BlockType(256, 210, 16, _q6_k, held_bits=6, factored=True),
     "IQ4_NL": BlockType(32, 18, 32, _iq4_nl, held_bits=4),
-    "IQ4_XS": BlockType(256, 136, 32, _iq4_xs, held_bits=4, factored=True),
-    "MXFP4": BlockType(32, 17, 32, _mxfp4, held_bits=4, factored=None),
-    "NVFP4": BlockType(64, 36, 16, _nvfp4, held_bits=4, factored=None),
+    "IQ4_XS": BlockType(256, 136, 32, _iq4_xs, held_bits=4, factored=True, multiple_bits=6),
+    "MXFP4": BlockType(32, 17, 32, _mxfp4, held_bits=4, factored=None, half=False),
+    "NVFP4": BlockType(64, 36, 16, _nvfp4, held_bits=4, factored=None, half=False),
 }
 
 #: Blocks converted at a time: the temporaries stay a few MiB.

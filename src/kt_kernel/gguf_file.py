@@ -369,20 +369,27 @@ class GGUFLayerReader:
         return FLOAT_FORMAT
 
     def _warn_of_memory(self, tensors: list[_ExpertTensor]) -> None:
-        """The engine holds every quantized type exactly, as a byte (a 4-bit index for the types of
-        16 levels or fewer, 5 or 6 bits for Q5_x and Q6_K) per weight plus scales and mins
-        (BlockType.held_bytes_per_weight): more memory than the file's blocks. Said once per file
-        and set of types (the text is the same for every layer)."""
+        """The engine holds every quantized type exactly, most in no more than the file's bytes
+        (BlockType.held_bytes_per_weight); the types of fewer than 4 bits take 4-bit indices, more:
+        said where the layer's types take more than their file, once per file and set of types (the
+        text is the same for every layer)."""
         held = stored = 0.0
         for t in tensors:
             block = BLOCK_TYPES[t.type_name]
-            held += block.held_bytes_per_weight()
             stored += block.block_bytes / block.block_inputs
+            # MXFP4's and NVFP4's blocks: held as their E4M3 bytes where the scales allow, as real ones do.
+            held += (
+                block.held_bytes_per_weight()
+                if block.factored is not None
+                else block.block_bytes / block.block_inputs
+            )
+        if held <= stored:
+            return
         types = "/".join(dict.fromkeys(t.type_name for t in tensors))
         warnings.warn(
-            f"{self.model.where}: {types} experts are held exactly as 4- to 8-bit values with their "
-            f"scales and mins: about {held / len(tensors):.2f} bytes per weight in memory, "
-            f"{held / stored:.1f}x the file's {stored / len(tensors):.2f}",
+            f"{self.model.where}: {types} experts are held exactly in more memory than the file's blocks: "
+            f"about {held / len(tensors):.2f} bytes per weight, {held / stored:.1f}x the file's "
+            f"{stored / len(tensors):.2f}",
             stacklevel=4,
         )
 

@@ -20,8 +20,10 @@ ROWS = ext.GROUP_ROWS
 FLOAT_BYTES = 4
 #: GGUF's factored scales: one fp32 factor per this many inputs of a row (kGgufBlockInputs).
 GGUF_FACTOR_INPUTS = 256
-#: GGUF's factored scales of a group are padded to whole lines of this many bytes.
+#: GGUF's factored scales of a group, fp32 factors and int8 multiples, are padded to whole lines
+#: of this many bytes (the other layouts are not padded).
 GGUF_SCALE_LINE = 64
+HALF_BYTES = 2
 
 
 def _ceil_div(value: int, divisor: int) -> int:
@@ -54,14 +56,20 @@ _GROUP_BYTES: dict[str, Callable[[int, int], tuple[int, int]]] = {
 class GgufLayout:
     """How the engine holds a GGUF projection (HeldLayout, kernels.h): values in ``value_bits`` bits
     (8: bytes; 4: indices into 16 levels; 5 or 6: value planes, where they span 32 or 64 integers);
-    scales as fp32 or factored (int8 multiples of an fp32 per 256 inputs); the min entries left out
-    where every min is 0. The engine chooses by the data at load."""
+    scales as fp32 or fp16 (``half_scales``), or factored (int8 or 6-bit multiples of an fp32 or
+    fp16 factor per 256 inputs); the min entries left out where every min is 0. The engine chooses
+    by the data at load."""
 
     value_bits: int
     factored: bool
     mins: bool
     #: The scales as unsigned E4M3 bytes (NVFP4's), with an fp32 factor per matrix (no mins).
     e4m3: bool = False
+    #: Unfactored: fp16 scales and mins.
+    half_scales: bool = False
+    #: Factored: fp16 factors, and the bits of a multiple (8 or 6).
+    half_factors: bool = False
+    multiple_bits: int = 8
 
 
 def gguf_group_bytes(k: int, group: int, layout: GgufLayout) -> tuple[int, int]:
@@ -71,9 +79,13 @@ def gguf_group_bytes(k: int, group: int, layout: GgufLayout) -> tuple[int, int]:
         return values, k // group * ROWS
     entries = (k // group) * (2 if layout.mins else 1) * ROWS
     if not layout.factored:
-        return values, entries * FLOAT_BYTES
-    factors = _ceil_div(k, GGUF_FACTOR_INPUTS) * (2 if layout.mins else 1) * ROWS * FLOAT_BYTES
-    return values, _round_up(factors + entries, GGUF_SCALE_LINE)
+        return values, entries * (HALF_BYTES if layout.half_scales else FLOAT_BYTES)
+    factors = _ceil_div(k, GGUF_FACTOR_INPUTS) * (2 if layout.mins else 1) * ROWS
+    factors *= HALF_BYTES if layout.half_factors else FLOAT_BYTES
+    multiples = entries * layout.multiple_bits // 8
+    if layout.half_factors or layout.multiple_bits != 8:
+        return values, factors + multiples
+    return values, _round_up(factors + multiples, GGUF_SCALE_LINE)
 
 
 def projection_bytes(
@@ -109,8 +121,9 @@ def nvfp4_bytes(experts: int, rows: int, k: int) -> int:
 
 
 def gguf_most_bytes(experts: int, rows: int, k: int, group: int, value_bits: int, mins: bool) -> int:
-    """The larger of a GGUF projection's two scale layouts (fp32 or factored): the engine factors
-    where every block's scales allow, which the headers cannot tell."""
+    """The larger of a GGUF projection's two fp32 scale layouts (unfactored or factored): the engine
+    factors, or holds fp16, where the scales allow, which the headers cannot tell; every other
+    layout is smaller."""
     return max(
         projection_bytes("GGUF", experts, rows, k, group, layout=GgufLayout(value_bits, factored, mins))
         for factored in (False, True)

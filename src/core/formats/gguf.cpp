@@ -1,7 +1,8 @@
 // GGUF: llama.cpp's integer block types as int8 values with an fp32 scale and min per 16 or 32
 // inputs (w = q * scale + min), held as the data allows (HeldLayout; the layouts: kernels.h):
 // values as bytes (q + 128), 4-bit indices into 16 levels or 5 / 6-bit planes, scales as fp32 or
-// factored, mins left out where all are 0. Every choice is exact, checked on the data at load.
+// fp16, or factored (int8 or 6-bit multiples of fp32 or fp16 factors), mins left out where all are 0.
+// Every choice is exact, checked on the data at load.
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -14,9 +15,89 @@
 KT_NAMESPACE_BEGIN
 namespace {
 
-// The packed min of a canonical one: the kernels multiply it by -128 * sum(x) (kernels.h). Exact:
-// a power of two.
-constexpr float kMinFactor = -1.0f / kInt8Offset;
+// fp16 <-> fp32, scalar (the kernels convert with F16C, exactly as this does).
+float half_value(uint16_t h) {
+  const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+  const float magnitude = exponent == 0    ? std::ldexp(float(mantissa), -24)
+                          : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                           : std::ldexp(float(1024 + mantissa), exponent - 25);
+  return (h >> 15) ? -magnitude : magnitude;
+}
+
+// The fp16 whose value is v bit for bit (-0 too), or false.
+bool half_of(float v, uint16_t& h) {
+  if (!std::isfinite(v)) return false;
+  const float a = std::fabs(v);
+  const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  if (a < 0x1p-14f) {
+    h = uint16_t(sign | int(std::nearbyint(a * 0x1p24f)));  // 1024: 2^-14, the first normal
+  } else {
+    int e;
+    const float fraction = std::frexp(a, &e);  // a = fraction * 2^e, fraction in [0.5, 1)
+    if (e - 1 + 15 > 30) return false;
+    h = uint16_t(sign | (e - 1 + 15) << 10 | int(std::nearbyint((2 * fraction - 1) * 1024)));
+  }
+  return std::bit_cast<uint32_t>(half_value(h)) == std::bit_cast<uint32_t>(v);
+}
+
+bool is_half(float v) {
+  uint16_t h;
+  return half_of(v, h);
+}
+
+uint16_t half_bits(float v) {
+  uint16_t h = 0;
+  half_of(v, h);  // exact: checked at load
+  return h;
+}
+
+float half_at(const uint8_t* halfs, int index) {
+  uint16_t h;
+  std::memcpy(&h, halfs + 2 * index, 2);
+  return half_value(h);
+}
+
+float float_at(const uint8_t* floats, int index) {
+  float f;
+  std::memcpy(&f, floats + 4 * index, 4);
+  return f;
+}
+
+// The 6-bit field `index` of a bit string (kernels.h: row r of an entry at bits 6r..6r+5).
+int six_bits_at(const uint8_t* bytes, int index) {
+  const int bit = 6 * index, shift = bit % 8;
+  int v = bytes[bit / 8] >> shift;
+  if (shift > 2) v |= bytes[bit / 8 + 1] << (8 - shift);
+  return v & 63;
+}
+
+void set_six_bits(uint8_t* bytes, int index, int value) {  // the bytes start zeroed
+  const int bit = 6 * index, shift = bit % 8;
+  bytes[bit / 8] = uint8_t(bytes[bit / 8] | value << shift);
+  if (shift > 2) bytes[bit / 8 + 1] = uint8_t(bytes[bit / 8 + 1] | value >> (8 - shift));
+}
+
+// The multiples a factoring may use, lo..hi, and whether its factors are fp16.
+struct Factoring {
+  int lo, hi;
+  bool half;
+};
+// Tried in turn for a whole projection: the fewest bytes first (kernels.h). 0..63: Q4_K's, Q5_K's
+// and Q2_K's scales and mins; -32..31: IQ4_XS's and Q3_K's scales (ls - 32); int8: Q6_K's.
+constexpr Factoring kFactorings[] = {{0, 63, true},  {-32, 31, true},  {-128, 127, true},
+                                     {0, 63, false}, {-32, 31, false}, {-128, 127, false}};
+
+Factoring factoring_of(const HeldLayout& layout) {
+  if (layout.multiple_bits == 8) return {-128, 127, layout.half_factors};
+  return {-layout.multiple_bias, 63 - layout.multiple_bias, layout.half_factors};
+}
+
+void set_factoring(HeldLayout& layout, const Factoring& f) {
+  layout.factored_scales = true;
+  layout.half_factors = f.half;
+  layout.multiple_bits = f.hi - f.lo == 63 ? 6 : 8;
+  layout.multiple_bias = uint8_t(f.hi - f.lo == 63 ? -f.lo : 0);
+}
 
 bool levels_of(const int8_t* values, size_t count, int8_t* levels) {
   bool seen[256] = {};
@@ -41,16 +122,17 @@ bool within_levels(const HeldLayout& layout, const int8_t* values, size_t count)
   return true;
 }
 
-// The scales (entry 0) or packed mins (entry 1) of a canonical row's scale groups [first, first + n):
+// The scales (entry 0) or mins (entry 1) of a canonical row's scale groups [first, first + n):
 // pairs [groups][scale, min].
 void entries_of(const float* pairs, int first, int n, int entry, float* out) {
-  for (int i = 0; i < n; ++i) out[i] = entry == 0 ? pairs[2 * (first + i)] : pairs[2 * (first + i) + 1] * kMinFactor;
+  for (int i = 0; i < n; ++i) out[i] = pairs[2 * (first + i) + entry];
 }
 
-// Factors n values as int8 multiples of one fp32: float(multiples[i]) * factor == values[i], exactly
-// as the kernels compute it. `hint` (the largest value's multiple in the last block that factored)
-// is tried first: a tensor's blocks mostly share it (Q4_K: 63, Q6_K: -128).
-bool factor(const float* values, int n, float& factor_out, int8_t* multiples, int& hint) {
+// Factors n values as multiples in f.lo..f.hi of one factor (an fp16 value where f.half):
+// float(multiples[i]) * factor == values[i], exactly as the kernels compute it. `hint` (the largest
+// value's multiple in the last block that factored) is tried first: a tensor's blocks mostly share
+// it (Q4_K: 63, Q6_K: -128).
+bool factor(const float* values, int n, const Factoring& range, float& factor_out, int8_t* multiples, int& hint) {
   int largest = 0;
   for (int i = 1; i < n; ++i)
     if (std::fabs(values[i]) > std::fabs(values[largest])) largest = i;
@@ -64,9 +146,10 @@ bool factor(const float* values, int n, float& factor_out, int8_t* multiples, in
   }
   const auto try_multiple = [&](int m) {
     const float f = top / float(m);
+    if (range.half && !is_half(f)) return false;
     for (int i = 0; i < n; ++i) {
       const float q = std::nearbyint(values[i] / f);
-      if (!(q >= -128.0f && q <= 127.0f)) return false;
+      if (!(q >= float(range.lo) && q <= float(range.hi))) return false;
       multiples[i] = int8_t(q);
       // What the kernels compute, bit for bit (the write-back gives the canonical tensors back as
       // loaded): an int8 0 times f is a 0 of f's sign, whatever q's sign (spelled out: GCC folds
@@ -77,8 +160,8 @@ bool factor(const float* values, int n, float& factor_out, int8_t* multiples, in
     factor_out = f;
     return true;
   };
-  if (hint != 0 && try_multiple(hint)) return true;
-  for (int m = 127; m >= -128; --m)
+  if (hint != 0 && hint >= range.lo && hint <= range.hi && try_multiple(hint)) return true;
+  for (int m = range.hi; m >= range.lo; --m)
     if (m != 0 && m != hint && try_multiple(m)) {
       hint = m;
       return true;
@@ -87,7 +170,7 @@ bool factor(const float* values, int n, float& factor_out, int8_t* multiples, in
 }
 
 // Calls visit(row, block, first group, groups, entry, values) for every block of every canonical row,
-// entry 0 (scales) and, with mins, 1 (packed mins); stops at the first visit that returns false.
+// entry 0 (scales) and, with mins, 1 (mins); stops at the first visit that returns false.
 template <class Visit>
 bool for_each_block(const float* pairs, size_t rows, int k, int scale_group, bool mins, Visit visit) {
   const int groups = k / scale_group, per_block = kGgufBlockInputs / scale_group;
@@ -102,13 +185,20 @@ bool for_each_block(const float* pairs, size_t rows, int k, int scale_group, boo
   return true;
 }
 
-bool scales_factor(const float* pairs, size_t rows, int k, int scale_group, bool mins) {
+bool scales_factor(const float* pairs, size_t rows, int k, int scale_group, bool mins, const Factoring& range) {
   int hints[2] = {};
   int8_t multiples[kGgufBlockInputs / 16];
   float f;
   return for_each_block(pairs, rows, k, scale_group, mins, [&](size_t, int, int, int n, int entry, const float* v) {
-    return factor(v, n, f, multiples, hints[entry]);
+    return factor(v, n, range, f, multiples, hints[entry]);
   });
+}
+
+// Whether every scale, and min where held, of n pairs is an fp16 value.
+bool pairs_half(const float* pairs, size_t n, bool mins) {
+  for (size_t i = 0; i < n; ++i)
+    if (!is_half(pairs[2 * i]) || (mins && !is_half(pairs[2 * i + 1]))) return false;
+  return true;
 }
 
 // ---- E4M3 scales (NVFP4's): every scale of a matrix fl(value(byte) * factor), byte an unsigned E4M3
@@ -259,7 +349,13 @@ HeldLayout layout_of(const CanonicalMatrices& m) {
                           : plane_bits_of(values, rows * m.k, m.scale_group, layout.levels.data());
   layout.mins = has_mins(pairs, rows * (m.k / m.scale_group));
   layout.e4m3_scales = !layout.mins && e4m3_scales(m);
-  layout.factored_scales = !layout.e4m3_scales && scales_factor(pairs, rows, m.k, m.scale_group, layout.mins);
+  if (layout.e4m3_scales) return layout;
+  for (const Factoring& range : kFactorings)
+    if (scales_factor(pairs, rows, m.k, m.scale_group, layout.mins, range)) {
+      set_factoring(layout, range);
+      return layout;
+    }
+  layout.half_scales = pairs_half(pairs, rows * (m.k / m.scale_group), layout.mins);
   return layout;
 }
 
@@ -272,7 +368,9 @@ bool layout_holds(const HeldLayout& layout, const CanonicalMatrices& m) {
                                                    : within_planes(layout, values, rows * m.k));
   return values_held &&
          (layout.mins || !has_mins(pairs, rows * (m.k / m.scale_group))) &&
-         (!layout.factored_scales || scales_factor(pairs, rows, m.k, m.scale_group, layout.mins)) &&
+         (!layout.factored_scales ||
+          scales_factor(pairs, rows, m.k, m.scale_group, layout.mins, factoring_of(layout))) &&
+         (!layout.half_scales || pairs_half(pairs, rows * (m.k / m.scale_group), layout.mins)) &&
          (!layout.e4m3_scales || e4m3_scales(m));
 }
 
@@ -283,7 +381,7 @@ size_t held_group_bytes(const HeldLayout& layout, int k) {
 
 size_t held_group_scale_bytes(const HeldLayout& layout, int k, int scale_group) {
   if (layout.e4m3_scales) return gguf_e4m3_scale_bytes(k, scale_group);
-  return gguf_group_scale_bytes(k, scale_group, layout.factored_scales, layout.mins);
+  return gguf_group_scale_bytes(layout, k, scale_group);
 }
 
 // One 16-row group's scales and mins (kernels.h), from canonical pairs [rows][k / G][scale, min].
@@ -299,30 +397,42 @@ void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, 
             uint8_t(e4m3_code(pairs[2 * ((first_row + r) * groups + s)], matrix_factor));
     return;
   }
-  std::memset(group_scales, 0, gguf_group_scale_bytes(k, scale_group, layout.factored_scales, layout.mins));
-  float* floats = reinterpret_cast<float*>(group_scales);
+  std::memset(group_scales, 0, gguf_group_scale_bytes(layout, k, scale_group));
   const size_t first_row = size_t(g) * kGroupRows, real_rows = std::min<size_t>(kGroupRows, rows - first_row);
   const float* group_pairs = pairs + first_row * groups * 2;
+  const auto store = [](uint8_t* at, int index, bool half, float v) {
+    if (half) {
+      const uint16_t h = half_bits(v);
+      std::memcpy(at + 2 * index, &h, 2);
+    } else {
+      std::memcpy(at + 4 * index, &v, 4);
+    }
+  };
   if (!layout.factored_scales) {
-    float values[1];
     for (size_t r = 0; r < real_rows; ++r)
       for (int s = 0; s < groups; ++s)
-        for (int entry = 0; entry < entries; ++entry) {
-          entries_of(group_pairs + r * groups * 2, s, 1, entry, values);
-          floats[gguf_entry_index(s, entry, layout.mins) + r] = values[0];
-        }
+        for (int entry = 0; entry < entries; ++entry)
+          store(group_scales, gguf_entry_index(s, entry, layout.mins) + int(r), layout.half_scales,
+                group_pairs[(r * groups + s) * 2 + entry]);
     return;
   }
-  int8_t* multiples = reinterpret_cast<int8_t*>(group_scales + gguf_multiples_offset(k, layout.mins));
+  uint8_t* multiples = group_scales + gguf_multiples_offset(layout, k);
+  uint8_t* factors = group_scales + gguf_factors_offset(layout, k, scale_group);
+  const Factoring range = factoring_of(layout);
   int hints[2] = {};
   int8_t block_multiples[kGgufBlockInputs / 16];
   for_each_block(group_pairs, real_rows, k, scale_group, layout.mins,
                  [&](size_t r, int block, int first, int n, int entry, const float* v) {
                    float f;
-                   factor(v, n, f, block_multiples, hints[entry]);  // factors: checked by layout_of
-                   floats[gguf_entry_index(block, entry, layout.mins) + r] = f;
-                   for (int i = 0; i < n; ++i)
-                     multiples[gguf_entry_index(first + i, entry, layout.mins) + r] = block_multiples[i];
+                   factor(v, n, range, f, block_multiples, hints[entry]);  // factors: checked by layout_of
+                   store(factors, gguf_entry_index(block, entry, layout.mins) + int(r), layout.half_factors, f);
+                   for (int i = 0; i < n; ++i) {
+                     const int at = gguf_entry_index(first + i, entry, layout.mins) + int(r);
+                     if (layout.multiple_bits == 8)
+                       multiples[at] = uint8_t(block_multiples[i]);
+                     else
+                       set_six_bits(multiples, at, block_multiples[i] + layout.multiple_bias);
+                   }
                    return true;
                  });
 }
@@ -363,15 +473,17 @@ void pack_held(const HeldLayout& layout, const uint8_t* values, const uint8_t* s
   }
 }
 
-// Row r's scale (entry 0) or packed min (entry 1, where held) of scale group s, from one group's
-// packed scales.
+// Row r's scale (entry 0) or min (entry 1, where held) of scale group s, from one group's packed
+// scales.
 float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, int s, int entry) {
   if (w.e4m3_scales) return kE4m3.of[group_scales[s * kGroupRows + r]] * w.scale_factor;
-  const float* floats = reinterpret_cast<const float*>(group_scales);
   const int at = gguf_entry_index(s, entry, w.mins) + r;
-  if (!w.factored_scales) return floats[at];
-  const int8_t* multiples = reinterpret_cast<const int8_t*>(group_scales + gguf_multiples_offset(w.k, w.mins));
-  return float(multiples[at]) * floats[gguf_factor_index(s, entry, w.scale_group, w.mins) + r];
+  if (!w.factored_scales) return w.half_scales ? half_at(group_scales, at) : float_at(group_scales, at);
+  const uint8_t* multiples = group_scales + gguf_multiples_offset(w, w.k);
+  const int multiple = w.multiple_bits == 8 ? int(int8_t(multiples[at])) : six_bits_at(multiples, at) - w.multiple_bias;
+  const uint8_t* factors = group_scales + gguf_factors_offset(w, w.k, w.scale_group);
+  const int f = gguf_factor_index(s, entry, w.scale_group, w.mins) + r;
+  return float(multiple) * (w.half_factors ? half_at(factors, f) : float_at(factors, f));
 }
 
 void unpack(const PackedGroups& w, const UnpackRegion& region) {
@@ -399,7 +511,7 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
     for (int s = 0; s < region.cols / w.scale_group; ++s) {
       const int group_s = region.k0 / w.scale_group + s;
       const float pair[2] = {packed_entry(w, group_scales, r, group_s, 0),
-                             w.mins ? packed_entry(w, group_scales, r, group_s, 1) / kMinFactor : 0.0f};
+                             w.mins ? packed_entry(w, group_scales, r, group_s, 1) : 0.0f};
       std::memcpy(region.scales + i * region.scales_stride + s * sizeof(pair), pair, sizeof(pair));
     }
   }
