@@ -106,11 +106,11 @@ struct GgufFormat {
     if (!w.factored_scales)
       return w.half_scales ? V::half_to_float(group_scales + 2 * at)
                            : V::load_ps(reinterpret_cast<const float*>(group_scales) + at);
-    const uint8_t* multiples = group_scales + gguf_multiples_offset(w, w.k);
+    const uint8_t* multiples = group_scales + w.multiples_at;
     const typename V::Float multiple =
         w.multiple_bits == 6 ? V::six_bits_to_float(multiples + at * 6 / 8, w.multiple_bias)
                              : V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + at);
-    const uint8_t* factors = group_scales + gguf_factors_offset(w, w.k, w.scale_group);
+    const uint8_t* factors = group_scales + w.factors_at;
     const int f = gguf_factor_index(s, entry, w.scale_group, w.mins) + first_row;
     return V::mul(multiple, w.half_factors ? V::half_to_float(factors + 2 * f)
                                            : V::loadu_ps(reinterpret_cast<const float*>(factors) + f));
@@ -125,20 +125,23 @@ struct GgufIndexedFormat : GgufFormat<V> {
 };
 
 // GGUF held as value planes of kBits (5 or 6) bits (kernels.h): per unit of kPlaneLines nibble
-// lines one plane line, shifted onto each half-line's nibbles; plus w.value_offset, q + 128.
+// lines one plane line, shifted onto each half-line's nibbles. The tile multiplies the values
+// v = q - lowest as they are and starts each scale group's sum at lowest * sum(x) (FourBitParts), where
+// adding w.value_offset to every byte took two more operations per line (avx2, Q6_K, T = 1: 2 %
+// of the GEMM's instructions).
 template <class V, int kBits>
 struct GgufPlanarFormat : GgufFormat<V> {
   using Int = typename V::Int;
   static constexpr bool kByteValues = false;
   static constexpr int kPlaneLines = plane_lines(kBits), kHighBits = kBits - 4;
-  // The u8 values q + 128 of half n (0: low nibbles) of nibble line l of a unit: `nibbles` holds them
-  // in bits 0..3 of each byte (and anything above), `offset` w.value_offset in every byte. l and n
-  // are constants once the tile's line loop is unrolled: immediate shifts.
-  static Int values(Int nibbles, Int plane, int l, int n, Int low_nibbles, Int offset) {
+  // The u8 values v of half n (0: low nibbles) of nibble line l of a unit: `nibbles` holds them in
+  // bits 0..3 of each byte (and anything above). l and n are constants once the tile's line loop is
+  // unrolled: immediate shifts.
+  static Int values(Int nibbles, Int plane, int l, int n, Int low_nibbles) {
     const int at = kHighBits * (2 * l + n);  // the high bits' place in each plane byte
     const Int high = at <= 4 ? V::slli_epi32(plane, 4 - at) : V::srli_epi32(plane, at - 4);
     const Int high_mask = V::set1(((1 << kHighBits) - 1) * 0x10101010);
-    return V::add_epi8(V::or_(V::and_(nibbles, low_nibbles), V::and_(high, high_mask)), offset);
+    return V::or_(V::and_(nibbles, low_nibbles), V::and_(high, high_mask));
   }
 };
 
@@ -348,7 +351,6 @@ struct IntTiles {
       static_assert(FourBit::kPlaneLines == 0 || kLinesPerPartial == 1);
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
         const Int low_nibbles = V::set1(kLowNibbles);
-        [[maybe_unused]] const Int value_offset = V::set1(int32_t(w.value_offset * 0x01010101u));
         const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
         Float acc[M][kVecs];
         KT_UNROLL
@@ -364,7 +366,12 @@ struct IntTiles {
           Int part[M][P][kVecs];
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
-            const Int start = V::set1(x[i].group_starts[s]);
+            // Value planes: the start -128 * sum(x) made lowest * sum(x) (GgufPlanarFormat; exact: a
+            // multiple of 128, and no larger).
+            const Int start =
+                V::set1(FourBit::kPlaneLines > 0
+                            ? x[i].group_starts[s] / kInt8Offset * (kInt8Offset - int(w.value_offset))
+                            : x[i].group_starts[s]);
             for (int v = 0; v < kVecs; ++v) {
               if constexpr (P == 2) part[i][0][v] = V::set1(0);
               part[i][P - 1][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], start) : start;
@@ -397,9 +404,8 @@ struct IntTiles {
                 if constexpr (FourBit::kPlaneLines > 0) {
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, unit + l));
                   const Int raw = V::load(line(w, v, unit + l));
-                  low[v] = Dot::weights(FourBit::values(raw, plane[v], l, 0, low_nibbles, value_offset));
-                  high[v] = Dot::weights(FourBit::values(V::srli_epi32(raw, 4), plane[v], l, 1, low_nibbles,
-                                                         value_offset));
+                  low[v] = Dot::weights(FourBit::values(raw, plane[v], l, 0, low_nibbles));
+                  high[v] = Dot::weights(FourBit::values(V::srli_epi32(raw, 4), plane[v], l, 1, low_nibbles));
                 } else if constexpr (FourBit::kByteValues) {
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j));
                   prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j + 1));
@@ -431,6 +437,13 @@ struct IntTiles {
               for (int p = 0; p < P; ++p)
                 for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
           } while ((c += kLinesPerStep) < (s + 1) * lines_per_scale);
+          // Decoded once for the M tokens: GCC did not share a decode (GGUF's 6-bit multiples, fp16
+          // factors) between them (avx2, T = 8, Q4_K_M's GEMMs: 402 -> 216 M instructions).
+          Float group_scale[kVecs], group_min[kVecs];
+          for (int v = 0; v < kVecs; ++v) {
+            group_scale[v] = four_bit_scale(w, v, s);
+            if constexpr (FourBit::kMins) group_min[v] = four_bit_min(w, v, s);
+          }
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
             // The start, -128 * sum(x), is a multiple of 128 below 2^31: exact in fp32, and so is
@@ -439,8 +452,8 @@ struct IntTiles {
             for (int v = 0; v < kVecs; ++v) {
               Int sum = part[i][0][v];
               if constexpr (P == 2) sum = V::add_epi32(V::slli_epi32(sum, 8), part[i][1][v]);
-              acc[i][v] = V::fmadd(V::to_float(sum), four_bit_scale(w, v, s), acc[i][v]);
-              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, four_bit_min(w, v, s), acc[i][v]);
+              acc[i][v] = V::fmadd(V::to_float(sum), group_scale[v], acc[i][v]);
+              if constexpr (FourBit::kMins) acc[i][v] = V::fmadd(start, group_min[v], acc[i][v]);
             }
           }
         }

@@ -126,6 +126,9 @@ struct PackedGroups {
   // and the bits of a factored multiple (8, or 6: stored + multiple_bias, 0 or 32).
   bool factored_scales = false, mins = true, half_scales = false, half_factors = false;
   uint8_t multiple_bits = 8, multiple_bias = 0;
+  // Factored: where a group's multiples and factors start (gguf_multiples_offset, gguf_factors_offset),
+  // set once with the groups: the kernels would divide by the scale group for them per scale group.
+  uint32_t multiples_at = 0, factors_at = 0;
   // GGUF's scales as unsigned E4M3 bytes (NVFP4's own), and the matrix's fp32 factor: every output
   // is multiplied by it (1 in the other layouts).
   bool e4m3_scales = false;
@@ -195,8 +198,8 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // the high bits of the value whose nibble lies in byte i of row r's word in half n (0: low nibbles,
 // 1: high) of nibble line l (inputs 8l + 4n + i of the unit) at bits p..p+h-1 of byte i,
 // p = h (2l + n). Shifted by 4 - p (within a 32-bit word), masked to bits 4..3+h of each byte and
-// or-ed with the masked nibbles, they make the bytes v of an INT8-layout quad; the kernels add
-// value_offset (mod 256) for q + 128.
+// or-ed with the masked nibbles, they make the bytes v of an INT8-layout quad; the kernels multiply
+// v as it is and start each scale group's sum at lowest * sum(x), not -128 * sum(x).
 // Scales and mins: each entry is 16 rows' scales or 16 rows' mins (row r the r-th value). The
 // kernels start a scale group's integer sum at -128 * sum(x), the offset, and multiply the min
 // entry by that start times -1/128 (sum(x), exact: a power of two): one fp32 FMA. Where every min

@@ -105,6 +105,10 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
   groups.half_factors = held.half_factors;
   groups.multiple_bits = held.multiple_bits;
   groups.multiple_bias = held.multiple_bias;
+  if (held.factored_scales) {
+    groups.multiples_at = uint32_t(gguf_multiples_offset(held, k));
+    groups.factors_at = uint32_t(gguf_factors_offset(held, k, scale_group));
+  }
   if (size_t(expert) < factors.size()) groups.scale_factor = factors[expert];
   return groups;
 }

@@ -479,9 +479,9 @@ float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, in
   if (w.e4m3_scales) return kE4m3.of[group_scales[s * kGroupRows + r]] * w.scale_factor;
   const int at = gguf_entry_index(s, entry, w.mins) + r;
   if (!w.factored_scales) return w.half_scales ? half_at(group_scales, at) : float_at(group_scales, at);
-  const uint8_t* multiples = group_scales + gguf_multiples_offset(w, w.k);
+  const uint8_t* multiples = group_scales + w.multiples_at;
   const int multiple = w.multiple_bits == 8 ? int(int8_t(multiples[at])) : six_bits_at(multiples, at) - w.multiple_bias;
-  const uint8_t* factors = group_scales + gguf_factors_offset(w, w.k, w.scale_group);
+  const uint8_t* factors = group_scales + w.factors_at;
   const int f = gguf_factor_index(s, entry, w.scale_group, w.mins) + r;
   return float(multiple) * (w.half_factors ? half_at(factors, f) : float_at(factors, f));
 }
