@@ -14,7 +14,7 @@ from test_accuracy import BOUND, activations, reference, relative_error, routing
 
 pytest.importorskip("gguf")
 
-from test_gguf_accuracy import realistic_blocks  # noqa: E402
+from test_gguf_accuracy import realistic_blocks, run_layer  # noqa: E402
 from test_gguf_file import KNOWN_TYPES, write_layer  # noqa: E402
 from test_gguf_kernels import decoded, same_bits  # noqa: E402
 
@@ -244,3 +244,22 @@ def test_every_type_from_a_file_is_held_in_at_most_its_bytes(tmp_path, type_name
         assert held > file_bytes(type_name)
     else:
         assert held <= file_bytes(type_name) + matrix_factors
+
+
+#: The ggml types whose values span 32 or 64 integers: held in 5- or 6-bit value planes (kernels.h).
+PLANAR = {"Q6_K": 6, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5}
+
+
+@pytest.mark.parametrize("type_name", PLANAR)
+def test_five_and_six_bit_types_are_held_in_value_planes_exactly(tmp_path, type_name):
+    """Q6_K's values (-32..31) in 6 bits, Q5_K's, Q5_0's and Q5_1's in 5: 0.75 and 0.625 bytes per
+    weight where bytes took 1 (packed_bytes() counts them), a forward within the bound of fp64 (from
+    a file, and from tensors), and the write-back (MoEEngine.unpack) giving back the canonical tensors
+    bit for bit."""
+    block, bits = BLOCK_TYPES[type_name], PLANAR[type_name]
+    assert block.held_bits == bits
+    error = run_layer(tmp_path, dict.fromkeys(NAMES, type_name), HIDDEN, INTER, 5)
+    assert error < BOUND, f"{type_name}: relative error {error:.4%}"
+    factored = bool(block.factored)
+    fp16 = {"half_factors": True, "multiple_bits": block.multiple_bits} if factored else {"half_scales": True}
+    assert check(canonical(type_name, 60)) == layout_bytes(type_name, factored=factored, **fp16)

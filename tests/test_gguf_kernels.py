@@ -253,12 +253,7 @@ def test_values_of_32_or_64_integers_are_held_in_value_planes(span, end):
     for tokens in (1, 24):
         error = error_of(*tensors, tokens)
         assert error < BOUND, f"{tokens} tokens: relative error {error:.4%}"
-    for name, k0, cols in (("gate", 32, 160), ("down", 16, 64)):
-        values, pairs = tensors[("gate", "up", "down").index(name)]
-        group = 2 * values.shape[-1] // pairs.shape[-1]
-        out_values, out_pairs = unpacked(tensors, name, k0, cols)
-        assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
-        assert same_bits(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])
+    assert_written_back(tensors, (("gate", 32, 160), ("down", 16, 64)))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -302,6 +297,16 @@ def unpacked(tensors, name: str, k0: int, cols: int) -> tuple[torch.Tensor, torc
         name, 3, 16, 16, k0, cols, out_values.data_ptr(), cols, out_pairs.data_ptr(), out_pairs.shape[1] * 4
     )
     return out_values, out_pairs
+
+
+def assert_written_back(tensors, regions) -> None:
+    """Each region (projection, k0, cols) of rows 16..31 of expert 3 unpacked as loaded, bit for bit."""
+    for name, k0, cols in regions:
+        values, pairs = tensors[("gate", "up", "down").index(name)]
+        group = 2 * values.shape[-1] // pairs.shape[-1]
+        out_values, out_pairs = unpacked(tensors, name, k0, cols)
+        assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
+        assert same_bits(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])
 
 
 def first_part_then(engine, tensors, later) -> None:
@@ -361,12 +366,7 @@ def test_unpack_gives_back_the_canonical_tensors(levels, factored):
     g = torch.Generator().manual_seed(7)
     gate, up, down = problem((32, 16), True, seed=7, factored=factored)
     tensors = (on_levels(gate, LEVELS[levels], g), up, down)  # indices; up and down stay bytes
-    for name, k0, cols in (("gate", 64, 128), ("down", 32, 64)):
-        values, pairs = tensors[("gate", "up", "down").index(name)]
-        group = 2 * values.shape[-1] // pairs.shape[-1]
-        out_values, out_pairs = unpacked(tensors, name, k0, cols)
-        assert torch.equal(out_values, values[3, 16:32, k0 : k0 + cols])
-        assert same_bits(out_pairs, pairs[3, 16:32, 2 * k0 // group : 2 * (k0 + cols) // group])
+    assert_written_back(tensors, (("gate", 64, 128), ("down", 32, 64)))
 
 
 def test_the_level_sets_of_the_engine_are_those_the_block_decoders_give():
