@@ -30,7 +30,7 @@ void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_
 }
 
 void gemm_gguf(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_gguf_maddwd<Vec, kFourBitTokens, 1>(x, w, y, y_stride);
+  gemm_gguf_maddwd<Vec, kFourBitRows, 1, kFourBitTokens, 1>(x, w, y, y_stride);
 }
 
 }  // namespace avx2

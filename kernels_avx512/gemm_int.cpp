@@ -25,7 +25,7 @@ void gemm_mxfp4_maddubs(const Activations& x, const PackedGroups& w, float* y, s
 }
 
 void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  gemm_gguf_maddwd<Vec, kTokens, kTokenGroups>(x, w, y, y_stride);
+  gemm_gguf_maddwd<Vec, kRows, kGroups, kTokens, kTokenGroups>(x, w, y, y_stride);
 }
 
 void gemm_int4_maddubs(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {

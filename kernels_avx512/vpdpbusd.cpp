@@ -26,7 +26,7 @@ void gemm_mxfp4_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, 
 }
 
 void gemm_gguf_vpdpbusd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  for_gguf_values<Vec>(w, [&]<class Format>() { gemm_four_bit<Format>(x, w, y, y_stride); });
+  for_gguf_values<Vec>(w, [&]<class Format>(const PackedGroups& held) { gemm_four_bit<Format>(x, held, y, y_stride); });
 }
 
 double dpbusd_peak_probe(int64_t iterations) {

@@ -43,12 +43,13 @@ struct SumsInPlace {
 // kByteValues: values of a byte each (GGUF), an octet in two INT8-layout lines instead of one
 // line's nibbles; kIndexed: the nibbles index the weights' own 16 levels (w.levels: GGUF); kMins: a
 // min per scale group, added times the activations' sum (GGUF); kPlaneLines: the nibble lines of a
-// unit of value planes (GGUF, 5 or 6 bits: kernels.h), 0 without planes.
+// unit of value planes (GGUF, 5 or 6 bits: kernels.h), 0 without planes; kShifted: the values are
+// q - lowest (w.value_offset: lowest + 128), each scale group's sum started at lowest * sum(x) (GGUF).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset, kMaxValue = 15;
   static constexpr float kValueScale = 1.0f;
-  static constexpr bool kByteValues = false, kIndexed = false, kMins = false;
+  static constexpr bool kByteValues = false, kIndexed = false, kMins = false, kShifted = false;
   static constexpr int kPlaneLines = 0;
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
     return V::and_(bytes, low_nibbles);
@@ -67,7 +68,7 @@ template <class V>
 struct Mxfp4Format {
   static constexpr int kOffset = 12, kMaxValue = 24;
   static constexpr float kValueScale = 0.5f;
-  static constexpr bool kByteValues = false, kIndexed = false, kMins = false;
+  static constexpr bool kByteValues = false, kIndexed = false, kMins = false, kShifted = false;
   static constexpr int kPlaneLines = 0;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -82,38 +83,53 @@ struct Mxfp4Format {
 
 // GGUF: int8 values stored as q + 128 in the INT8 layout (a line is a quad, two lines an octet), a
 // scale and a min per G = 16 or 32 inputs, fp32, fp16 or factored (kernels.h). Never on vpmaddubsw:
-// byte weights would saturate its int16 sums.
+// byte weights would saturate its int16 sums (GgufNibbleFormat's may take it).
 template <class V>
 struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
   static constexpr float kValueScale = 1.0f;
-  static constexpr bool kByteValues = true, kIndexed = false, kMins = true;
+  static constexpr bool kByteValues = true, kIndexed = false, kMins = true, kShifted = false;
   static constexpr int kPlaneLines = 0;
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
-  static typename V::Float scale(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
-    return entry(w, group_scales, s, 0, first_row);
-  }
-  // The mins, which the tiles multiply by sum(x) (the group's start, -128 * sum(x), times -1/128); 0 without.
-  static typename V::Float min(const PackedGroups& w, const uint8_t* group_scales, int s, int first_row) {
-    return w.mins ? entry(w, group_scales, s, 1, first_row) : V::set1_ps(0.0f);
-  }
-  // Entry `entry` (0: scales, 1: mins) of scale group s, kLanes rows from first_row. The layout is a
-  // branch here, not a template parameter: tiles compiled apart per layout ran a factored prefill 5 %
-  // slower (T = 512, avx512, one process, interleaved), the fp32 one no faster.
-  static typename V::Float entry(const PackedGroups& w, const uint8_t* group_scales, int s, int entry, int first_row) {
-    if (w.e4m3_scales) return V::e4m3_to_float(group_scales + s * kGroupRows + first_row);  // no mins
-    const int at = gguf_entry_index(s, entry, w.mins) + first_row;
-    if (!w.factored_scales)
-      return w.half_scales ? V::half_to_float(group_scales + 2 * at)
-                           : V::load_ps(reinterpret_cast<const float*>(group_scales) + at);
+  // The scales and the mins (0 without: the tiles multiply them by sum(x), the group's start
+  // -128 * sum(x) times -1/128) of scale groups s0 .. s0 + n, kLanes rows from first_row, into
+  // scales[i] and mins[i]. A loop per layout, its branches taken once per block: taken per scale
+  // group and row vector, with their index arithmetic, they were 40 % of a Q4_K GEMM's instructions
+  // at one token (avx2). Tiles compiled apart per layout ran a factored prefill 5 % slower (T = 512,
+  // avx512, one process, interleaved).
+  static void block(const PackedGroups& w, const uint8_t* group_scales, int s0, int n, int first_row,
+                    typename V::Float* scales, typename V::Float* mins) {
+    // Copies: the stores of Float (may_alias) would reload w's fields.
+    const bool has_mins = w.mins;
+    const int scale_group = w.scale_group, bias = w.multiple_bias;
+    const auto each = [&](auto decode) {  // decode(s, entry): entry 0 the scales, 1 the mins
+      for (int i = 0; i < n; ++i) {
+        scales[i] = decode(s0 + i, 0);
+        mins[i] = has_mins ? decode(s0 + i, 1) : V::set1_ps(0.0f);
+      }
+    };
+    const auto at = [&](int s, int entry) { return gguf_entry_index(s, entry, has_mins) + first_row; };
+    if (w.e4m3_scales)  // no mins
+      return each([&](int s, int) { return V::e4m3_to_float(group_scales + s * kGroupRows + first_row); });
+    if (!w.factored_scales) {
+      if (w.half_scales) return each([&](int s, int e) { return V::half_to_float(group_scales + 2 * at(s, e)); });
+      return each([&](int s, int e) { return V::load_ps(reinterpret_cast<const float*>(group_scales) + at(s, e)); });
+    }
     const uint8_t* multiples = group_scales + w.multiples_at;
-    const typename V::Float multiple =
-        w.multiple_bits == 6 ? V::six_bits_to_float(multiples + at * 6 / 8, w.multiple_bias)
-                             : V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + at);
     const uint8_t* factors = group_scales + w.factors_at;
-    const int f = gguf_factor_index(s, entry, w.scale_group, w.mins) + first_row;
-    return V::mul(multiple, w.half_factors ? V::half_to_float(factors + 2 * f)
-                                           : V::loadu_ps(reinterpret_cast<const float*>(factors) + f));
+    const auto factored = [&](auto multiple, auto factor) {
+      each([&](int s, int e) {
+        return V::mul(multiple(at(s, e)), factor(gguf_factor_index(s, e, scale_group, has_mins) + first_row));
+      });
+    };
+    const auto six_bits = [&](int a) { return V::six_bits_to_float(multiples + a * 6 / 8, bias); };
+    const auto int8 = [&](int a) { return V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + a); };
+    const auto half = [&](int f) { return V::half_to_float(factors + 2 * f); };
+    const auto fp32 = [&](int f) { return V::loadu_ps(reinterpret_cast<const float*>(factors) + f); };
+    if (w.multiple_bits == 6)
+      w.half_factors ? factored(six_bits, half) : factored(six_bits, fp32);
+    else
+      w.half_factors ? factored(int8, half) : factored(int8, fp32);
   }
 };
 
@@ -124,6 +140,19 @@ struct GgufIndexedFormat : GgufFormat<V> {
   static constexpr bool kByteValues = false, kIndexed = true;
 };
 
+// GGUF held as 4-bit indices into the levels lowest .. lowest + 15 in order (Q4_K's, Q4_1's 0..15,
+// Q4_0's -8..7): the nibbles are v = q - lowest themselves (for_gguf_values sets w.value_offset), so
+// the tiles mask them as INT4's, with no lookup, and vpmaddubsw multiplies them exactly: 4 lines
+// in its int16 lanes, as INT4 (avx2, Q4_K, one token: XX -> YY M instructions per layer).
+template <class V>
+struct GgufNibbleFormat : GgufFormat<V> {
+  static constexpr int kMaxValue = 15;
+  static constexpr bool kByteValues = false, kShifted = true;
+  static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
+    return V::and_(bytes, low_nibbles);
+  }
+};
+
 // GGUF held as value planes of kBits (5 or 6) bits (kernels.h): per unit of kPlaneLines nibble
 // lines one plane line, shifted onto each half-line's nibbles. The tile multiplies the values
 // v = q - lowest as they are and starts each scale group's sum at lowest * sum(x) (FourBitParts), where
@@ -132,7 +161,7 @@ struct GgufIndexedFormat : GgufFormat<V> {
 template <class V, int kBits>
 struct GgufPlanarFormat : GgufFormat<V> {
   using Int = typename V::Int;
-  static constexpr bool kByteValues = false;
+  static constexpr bool kByteValues = false, kShifted = true;
   static constexpr int kPlaneLines = plane_lines(kBits), kHighBits = kBits - 4;
   // The u8 values v of half n (0: low nibbles) of nibble line l of a unit: `nibbles` holds them in
   // bits 0..3 of each byte (and anything above). l and n are constants once the tile's line loop is
@@ -259,6 +288,11 @@ struct IntTiles {
     return w.values + (v / kVecsPerGroup) * w.group_bytes + size_t(index) * kLineBytes +
            (v % kVecsPerGroup) * V::kLanes * 4;
   }
+  // Prefetches line `index` of vector v's group once, from its first vector: the others (AVX2: the
+  // second ymm) lie in the same 64 bytes (avx2, Q4_K, one token: 6 of a line's 40 instructions).
+  static void prefetch_line(const PackedGroups& w, int v, int index) {
+    if (v % kVecsPerGroup == 0) prefetch_weights(w, v / kVecsPerGroup, line(w, v, index));
+  }
   static Float row_scales(const PackedGroups& w, int v) {
     return V::load_ps(reinterpret_cast<const float*>(w.scales + (v / kVecsPerGroup) * w.group_scale_bytes) +
                       (v % kVecsPerGroup) * V::kLanes);
@@ -269,9 +303,6 @@ struct IntTiles {
   }
   static Float four_bit_scale(const PackedGroups& w, int v, int s) {
     return FourBit::scale(w, w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
-  }
-  static Float four_bit_min(const PackedGroups& w, int v, int s) {
-    return FourBit::min(w, w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s, (v % kVecsPerGroup) * V::kLanes);
   }
 
   // y = x_scale * row_scale * (sum over k of (q + 128) * x - 128 * sum(x)), the sum taken in int32
@@ -305,7 +336,7 @@ struct IntTiles {
       for (int j = j0; j < j1; ++j) {
         typename Dot::Weights wv[kVecs];
         for (int v = 0; v < kVecs; ++v) {
-          prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
+          prefetch_line(w, v, j);
           wv[v] = Dot::weights(V::load(line(w, v, j)));
         }
         KT_UNROLL
@@ -349,6 +380,7 @@ struct IntTiles {
       // that add into the sums (GGUF's byte values never take vpmaddubsw).
       static constexpr int kLinesPerStep = FourBit::kPlaneLines > 0 ? FourBit::kPlaneLines : kLinesPerPartial;
       static_assert(FourBit::kPlaneLines == 0 || kLinesPerPartial == 1);
+      static constexpr int kScaleBlock = 8;  // GGUF's scale groups decoded at a time
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
         const Int low_nibbles = V::set1(kLowNibbles);
         const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
@@ -356,7 +388,9 @@ struct IntTiles {
         KT_UNROLL
         for (int i = 0; i < M; ++i)
           for (int v = 0; v < kVecs; ++v) acc[i][v] = V::set1_ps(0.0f);
-        for (int s = 0; s < w.k / inputs_per_scale; ++s) {
+        const int scale_groups = w.k / inputs_per_scale;
+        [[maybe_unused]] Float block_scale[kVecs][kScaleBlock], block_min[kVecs][kScaleBlock];
+        for (int s = 0; s < scale_groups; ++s) {
           // This scale group's integer sums, started at minus the weight offset times sum(x).
           Int zeros[kVecs];  // INT4 zero points of this scale group (w.zeros: kernels.h)
           if (w.zeros != nullptr)
@@ -366,10 +400,10 @@ struct IntTiles {
           Int part[M][P][kVecs];
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
-            // Value planes: the start -128 * sum(x) made lowest * sum(x) (GgufPlanarFormat; exact: a
-            // multiple of 128, and no larger).
+            // Values less the lowest (kShifted): the start -128 * sum(x) made lowest * sum(x) (exact:
+            // a multiple of 128, and no larger).
             const Int start =
-                V::set1(FourBit::kPlaneLines > 0
+                V::set1(FourBit::kShifted
                             ? x[i].group_starts[s] / kInt8Offset * (kInt8Offset - int(w.value_offset))
                             : x[i].group_starts[s]);
             for (int v = 0; v < kVecs; ++v) {
@@ -393,7 +427,7 @@ struct IntTiles {
             [[maybe_unused]] Int plane[kVecs];
             if constexpr (FourBit::kPlaneLines > 0)
               for (int v = 0; v < kVecs; ++v) {
-                prefetch_weights(w, v / kVecsPerGroup, line(w, v, unit + FourBit::kPlaneLines));
+                prefetch_line(w, v, unit + FourBit::kPlaneLines);
                 plane[v] = V::load(line(w, v, unit + FourBit::kPlaneLines));
               }
             KT_UNROLL
@@ -402,22 +436,22 @@ struct IntTiles {
               typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8j..8j+3 and 8j+4..8j+7
               for (int v = 0; v < kVecs; ++v) {
                 if constexpr (FourBit::kPlaneLines > 0) {
-                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, unit + l));
+                  prefetch_line(w, v, unit + l);
                   const Int raw = V::load(line(w, v, unit + l));
                   low[v] = Dot::weights(FourBit::values(raw, plane[v], l, 0, low_nibbles));
                   high[v] = Dot::weights(FourBit::values(V::srli_epi32(raw, 4), plane[v], l, 1, low_nibbles));
                 } else if constexpr (FourBit::kByteValues) {
-                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j));
-                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, 2 * j + 1));
+                  prefetch_line(w, v, 2 * j);
+                  prefetch_line(w, v, 2 * j + 1);
                   low[v] = Dot::weights(V::load(line(w, v, 2 * j)));
                   high[v] = Dot::weights(V::load(line(w, v, 2 * j + 1)));
                 } else if constexpr (FourBit::kIndexed) {
-                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
+                  prefetch_line(w, v, j);
                   const Int raw = V::load(line(w, v, j));
                   low[v] = Dot::weights(V::lookup16(w.levels, V::and_(raw, low_nibbles)));
                   high[v] = Dot::weights(V::lookup16(w.levels, V::and_(V::srli_epi32(raw, 4), low_nibbles)));
                 } else {
-                  prefetch_weights(w, v / kVecsPerGroup, line(w, v, j));
+                  prefetch_line(w, v, j);
                   const Int raw = V::load(line(w, v, j));
                   low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
                   high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
@@ -438,11 +472,21 @@ struct IntTiles {
                 for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
           } while ((c += kLinesPerStep) < (s + 1) * lines_per_scale);
           // Decoded once for the M tokens: GCC did not share a decode (GGUF's 6-bit multiples, fp16
-          // factors) between them (avx2, T = 8, Q4_K_M's GEMMs: 402 -> 216 M instructions).
+          // factors) between them (avx2, T = 8, Q4_K_M's GEMMs: 402 -> 216 M instructions). GGUF's
+          // a block of scale groups at a time (GgufFormat::block).
           Float group_scale[kVecs], group_min[kVecs];
-          for (int v = 0; v < kVecs; ++v) {
-            group_scale[v] = four_bit_scale(w, v, s);
-            if constexpr (FourBit::kMins) group_min[v] = four_bit_min(w, v, s);
+          if constexpr (FourBit::kMins) {
+            if (s % kScaleBlock == 0)
+              for (int v = 0; v < kVecs; ++v)
+                FourBit::block(w, w.scales + (v / kVecsPerGroup) * w.group_scale_bytes, s,
+                               std::min(kScaleBlock, scale_groups - s), (v % kVecsPerGroup) * V::kLanes,
+                               block_scale[v], block_min[v]);
+            for (int v = 0; v < kVecs; ++v) {
+              group_scale[v] = block_scale[v][s % kScaleBlock];
+              group_min[v] = block_min[v][s % kScaleBlock];
+            }
+          } else {
+            for (int v = 0; v < kVecs; ++v) group_scale[v] = four_bit_scale(w, v, s);
           }
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
@@ -561,7 +605,7 @@ void gemm_four_bit_maddwd(const Activations& x, const PackedGroups& w, float* y,
   }
 }
 
-// GGUF without vpdpbusd: tokens widened to int16 (MaddwdDot) always, one row and its residual as one
+// GGUF without vpdpbusd: tokens widened to int16 (MaddwdDot), one row and its residual as one
 // token or (int8_activations) a row alone: vpmaddubsw would saturate on byte weights. Tiles of
 // MaxTokens x NV groups.
 template <class V, int MaxTokens, int NV, class Format>
@@ -573,22 +617,43 @@ void gemm_gguf_maddwd_of(const Activations& x, const PackedGroups& w, float* y, 
       [&](int t) { return QuantizedParts<1>{{tokens(t)}}; }, tokens.count, w, y, x.quantized.parts * y_stride, starts);
   zero_residual_outputs(x, w, y, y_stride);
 }
-// Calls run (a template lambda) with the GGUF format of w's held values.
-template <class V, class Run>
-void for_gguf_values(const PackedGroups& w, Run run) {
-  if (w.levels != nullptr)
-    run.template operator()<GgufIndexedFormat<V>>();
-  else if (w.value_bits == 6)
-    run.template operator()<GgufPlanarFormat<V, 6>>();
-  else if (w.value_bits == 5)
-    run.template operator()<GgufPlanarFormat<V, 5>>();
-  else
-    run.template operator()<GgufFormat<V>>();
+
+// Whether 16 levels (+ 128) are lowest .. lowest + 15 in order (GgufNibbleFormat).
+inline bool consecutive_levels(const int8_t* levels) {
+  for (int i = 1; i < kLevels; ++i)
+    if (uint8_t(levels[i]) != uint8_t(levels[0]) + i) return false;
+  return true;
 }
 
-template <class V, int MaxTokens, int NV>
+// Calls run (a template lambda) with the GGUF format of w's held values and the groups it reads.
+template <class V, class Run>
+void for_gguf_values(const PackedGroups& w, Run run) {
+  if (w.levels != nullptr && consecutive_levels(w.levels)) {
+    PackedGroups nibbles = w;
+    nibbles.value_offset = uint8_t(w.levels[0]);
+    run.template operator()<GgufNibbleFormat<V>>(nibbles);
+  } else if (w.levels != nullptr) {
+    run.template operator()<GgufIndexedFormat<V>>(w);
+  } else if (w.value_bits == 6) {
+    run.template operator()<GgufPlanarFormat<V, 6>>(w);
+  } else if (w.value_bits == 5) {
+    run.template operator()<GgufPlanarFormat<V, 5>>(w);
+  } else {
+    run.template operator()<GgufFormat<V>>(w);
+  }
+}
+
+// GGUF without vpdpbusd: values small enough for vpmaddubsw (GgufNibbleFormat) in scale groups of
+// whole partials (4 lines) as INT4 (gemm_four_bit_maddwd), the others on widened tokens.
+template <class V, int MaxRows, int NV, int MaxTokens, int TokenNV>
 void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  for_gguf_values<V>(w, [&]<class Format>() { gemm_gguf_maddwd_of<V, MaxTokens, NV, Format>(x, w, y, y_stride); });
+  for_gguf_values<V>(w, [&]<class Format>(const PackedGroups& held) {
+    if constexpr (Format::kMaxValue <= 15) {
+      if (held.scale_group % (8 * MaddubsDot<V>::lines_per_partial(Format::kMaxValue)) == 0)
+        return gemm_four_bit_maddwd<V, Format, MaxRows, NV, MaxTokens, TokenNV>(x, held, y, y_stride);
+    }
+    gemm_gguf_maddwd_of<V, MaxTokens, TokenNV, Format>(x, held, y, y_stride);
+  });
 }
 
 KT_NAMESPACE_END
