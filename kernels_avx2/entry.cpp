@@ -48,8 +48,11 @@ KernelInfo kernel_info() {
   const char* fp8 =
       "avx2 (up to five rows of normal codes: E4M3 -> bf16 bytes by a nibble lookup; else one or two rows: E4M3 -> "
       "fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)";
-  // GGUF's int8 values are multiplied as INT8's (int_tiles.h).
   const char* int8 = avx_vnni() ? "avx2 avx_vnni (vpdpbusd)" : "avx2 (vpmaddwd on int16 activations)";
+  // GGUF's values are multiplied as INT8's, nibbles of 16 consecutive levels as INT4's (int_tiles.h).
+  const char* gguf = avx_vnni() ? int8
+                                : "avx2 (vpmaddwd on int16 activations; nibbles of 16 consecutive levels: "
+                                  "vpmaddubsw on int8 rows for one token or int8_activations)";
   return {.isa = "avx2",
           .bf16_path = "avx2 (bf16->fp32, fma)",
           .mxfp4_path = avx_vnni() ? "avx2 (E2M1 -> integers by vpshufb, int8 rows, avx_vnni (vpdpbusd))"
@@ -57,7 +60,7 @@ KernelInfo kernel_info() {
                                      "int16, vpmaddubsw on int8 rows for one token or int8_activations)",
           .int8_path = int8,
           .fp8_path = fp8,
-          .gguf_path = int8};
+          .gguf_path = gguf};
 }
 
 KT_NAMESPACE_END

@@ -88,6 +88,9 @@ KernelInfo paths_info() {
                                    : "avx512f (bf16->fp32, fma)";
   // GGUF's int8 values are multiplied as INT8's (int_tiles.h).
   const char* int8 = p.vpdpbusd ? "avx512_vnni (vpdpbusd)" : "avx512bw (vpmaddwd on int16 activations)";
+  const char* gguf = p.vpdpbusd ? int8
+                                : "avx512bw (vpmaddwd on int16 activations; nibbles of 16 consecutive levels: "
+                                  "vpmaddubsw on int8 rows for one token or int8_activations)";
   return {.isa = "avx512",
           .bf16_path = bf16,
           .mxfp4_path = !p.vpdpbusd ? "E2M1 -> integers by vpshufb, avx512bw (vpmaddwd on a row and its residual "
@@ -96,7 +99,7 @@ KernelInfo paths_info() {
                                     : "E2M1 -> integers by vpshufb, int8 rows, avx512_vnni (vpdpbusd)",
           .int8_path = int8,
           .fp8_path = fp8_path(p),
-          .gguf_path = int8};
+          .gguf_path = gguf};
 }
 
 }  // namespace avx512
