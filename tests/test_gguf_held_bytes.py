@@ -222,23 +222,28 @@ def test_a_saved_engine_maps_back_every_field(tmp_path, type_name):
         assert torch.equal(out_values, values[2]) and same_bits(out_pairs, pairs[2]), name
 
 
-@pytest.mark.parametrize("type_name", KNOWN_TYPES)
-def test_every_type_from_a_file_is_held_in_at_most_its_bytes(tmp_path, type_name):
-    """A layer read from a GGUF file (realistic blocks) holds at most the file's expert bytes, but
-    for ABOVE_THE_FILE (which this asserts are above: moving one out is a change to say); E4M3
-    layouts (MXFP4's, NVFP4's blocks) add their fp32 per matrix, as NVFP4's per-tensor scalars."""
+def held_from_a_file(path, type_name: str) -> int:
+    """Writes a layer of type_name's realistic blocks (SHAPES, EXPERTS) to the GGUF file ``path``,
+    loads it with load_weights and gives the engine's packed bytes."""
     rng = np.random.default_rng(list(BLOCK_TYPES).index(type_name))
     projections = {}
     for name, (rows, k) in SHAPES.items():
         blocks = realistic_blocks(type_name, EXPERTS * rows, k, rng).reshape(EXPERTS, rows, -1)
         projections[name] = (type_name, blocks)
-    path = tmp_path / "model.gguf"
     write_layer(path, projections, experts=EXPERTS, hidden=HIDDEN, inter=INTER)
     moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="GGUF", weight_path=str(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # ABOVE_THE_FILE's memory note
         moe.load_weights()
-    held = sum(sp.engine.packed_bytes() for sp in moe._subpools)
+    return sum(sp.engine.packed_bytes() for sp in moe._subpools)
+
+
+@pytest.mark.parametrize("type_name", KNOWN_TYPES)
+def test_every_type_from_a_file_is_held_in_at_most_its_bytes(tmp_path, type_name):
+    """A layer read from a GGUF file (realistic blocks) holds at most the file's expert bytes, but
+    for ABOVE_THE_FILE (which this asserts are above: moving one out is a change to say); E4M3
+    layouts (MXFP4's, NVFP4's blocks) add their fp32 per matrix, as NVFP4's per-tensor scalars."""
+    held = held_from_a_file(tmp_path / "model.gguf", type_name)
     matrix_factors = 4 * EXPERTS * len(NAMES) if BLOCK_TYPES[type_name].factored is None else 0
     if type_name in ABOVE_THE_FILE:
         assert held > file_bytes(type_name)

@@ -1,7 +1,8 @@
 """`kt-kernel info --memory`: the held bytes told from headers are the engines' packed_bytes() after
 load_weights, exactly, for every format of the registry (converted checkpoints), every Hugging Face
 source layout and every ggml type; where the engine chooses by the data (GGUF, GPTQ's zero points)
-they are a bound the load stays within, and the output says "at most". Odd sizes included."""
+they are a bound the load stays within, and the output says "at most", after the bytes of each ggml
+type's expected layout, which a file of realistic blocks is held in exactly. Odd sizes included."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def int4(layout: str, group: int):
 def assert_exact(path, method: str, hidden: int, inter: int) -> dict:
     result = estimate(path, method).as_dict()
     assert result["exact"]
-    assert result["held_bytes"] == packed_bytes(path, method, hidden, inter)
+    assert result["held_bytes"] == result["expected_bytes"] == packed_bytes(path, method, hidden, inter)
     return result
 
 
@@ -140,6 +141,9 @@ def test_gptq_zero_points_are_a_bound(tmp_path):
 gguf = pytest.importorskip("gguf")
 from test_gguf_accuracy import realistic_blocks  # noqa: E402
 from test_gguf_file import KNOWN_TYPES, write_layer  # noqa: E402
+from test_gguf_held_bytes import EXPERTS as HELD_EXPERTS  # noqa: E402
+from test_gguf_held_bytes import SHAPES as HELD_SHAPES  # noqa: E402
+from test_gguf_held_bytes import held_from_a_file  # noqa: E402
 
 
 @pytest.mark.parametrize("type_name", [*KNOWN_TYPES, "BF16", "F16", "F32"])
@@ -163,16 +167,40 @@ def test_every_ggml_type_is_held_within_what_is_told(tmp_path, type_name):
     assert result["file_bytes"] == sum(t.n_bytes for t in gguf.GGUFReader(path).tensors)
 
 
+@pytest.mark.parametrize("type_name", KNOWN_TYPES)
+def test_every_ggml_type_from_a_file_is_held_in_its_expected_bytes(tmp_path, type_name):
+    """Realistic blocks, as ggml's quantizer writes them, take their type's own layout: the
+    estimate's expected bytes are the engine's packed_bytes() exactly (Q2_K and Q3_K too, held above
+    their file), within the bound, and held_bytes_per_weight() per weight, but for the engine's
+    rounding (none at these sizes) and E4M3 layouts' blocks with an fp32 per matrix."""
+    path = tmp_path / "model.gguf"
+    held = held_from_a_file(path, type_name)
+    result = estimate(path).as_dict()
+    (entry,) = result["types"]
+    assert entry["expected_bytes"] == result["expected_bytes"] == held
+    assert not result["exact"] and held < result["held_bytes"]
+    block = BLOCK_TYPES[type_name]
+    weights = sum(HELD_EXPERTS * rows * k for rows, k in HELD_SHAPES.values())
+    if block.factored is None:
+        matrices = HELD_EXPERTS * len(HELD_SHAPES)
+        assert held == weights * block.block_bytes // block.block_inputs + 4 * matrices
+    else:
+        assert held == weights * block.held_bytes_per_weight()
+
+
 def test_text_and_json_output(tmp_path, capsys):
     path = tmp_path / "model.gguf"
     write_layer(path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, experts=EXPERTS, hidden=256, inter=256)
     assert main(["info", "--memory", str(path)]) == 0
     text = capsys.readouterr().out
     assert "Q4_K" in text and "Q6_K" in text and "at most" in text and "total" in text
+    assert text.count("held expected ") == 3  # each type and the total: expected, then at most
     assert main(["info", "--memory", str(path), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [t["stored_as"] for t in result["types"]] == ["Q4_K", "Q6_K"]
     assert result["held_bytes"] == sum(t["held_bytes"] for t in result["types"])
+    assert result["expected_bytes"] == sum(t["expected_bytes"] for t in result["types"])
+    assert all(t["expected_bytes"] < t["held_bytes"] for t in result["types"])
 
 
 @pytest.mark.parametrize(

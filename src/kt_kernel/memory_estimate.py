@@ -10,7 +10,11 @@ biases (held in fp32) are left out.
 Where the engine chooses its layout by the data, the held bytes are the most it can choose
 (``exact`` False, "at most"): GGUF values that may fall on 16 levels, mins that may all be 0 and
 scales that may factor (gguf_blocks.BlockType says which a ggml type pins down), and GPTQ's zero
-points, dropped at load where they are all 0.
+points, dropped at load where they are all 0. A ggml type has a layout of its own, the one its data
+takes as ggml's quantizer writes it (gguf_expected_layout); the bytes of that layout are the
+``expected_bytes``, printed beside the bound ("expected ..., at most ..."). Where the held bytes are
+exact, or no layout is expected (GPTQ's zero points, a converted GGUF checkpoint's canonical
+tensors), ``expected_bytes`` is ``held_bytes``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from . import formats
 from .checkpoint import read_manifest
 from .gguf_blocks import BLOCK_TYPES, BlockType
 from .gguf_file import FLOAT_FORMAT, FLOAT_TYPES, GGUF_FORMAT, PROJECTIONS, GGUFModel, is_gguf_checkpoint
-from .held_bytes import gguf_most_bytes, nvfp4_bytes, projection_bytes
+from .held_bytes import GgufLayout, gguf_most_bytes, nvfp4_bytes, projection_bytes
 from .safetensors_io import DTYPE_BITS, CheckpointError, index_checkpoint, read_safetensors_header
 from .sources import ExpertSource, MoELayer, require_source_format, stored_format
 
@@ -35,7 +39,9 @@ GGUF_EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<projection>gate|up|dow
 @dataclass
 class TypeTotal:
     """The routed experts stored as one type (a ggml type, safetensors dtypes, a converted format),
-    held in engine format ``held_as``: over ``projections`` projections of ``layers`` layers."""
+    held in engine format ``held_as``: over ``projections`` projections of ``layers`` layers. The
+    held bytes are exact or the most the engine holds them in (``exact`` False); ``expected_bytes``
+    those of the layout the type's data takes (the module docstring)."""
 
     stored_as: str
     held_as: str
@@ -44,13 +50,17 @@ class TypeTotal:
     file_bytes: int = 0
     held_bytes: int = 0
     exact: bool = True
+    expected_bytes: int = 0
 
-    def add(self, layer: int, file_bytes: int, held_bytes: int, exact: bool) -> None:
+    def add(
+        self, layer: int, file_bytes: int, held_bytes: int, exact: bool, expected: int | None = None
+    ) -> None:
         self.layers.add(layer)
         self.projections += 1
         self.file_bytes += file_bytes
         self.held_bytes += held_bytes
         self.exact = self.exact and exact
+        self.expected_bytes += held_bytes if expected is None else expected
 
 
 @dataclass
@@ -59,9 +69,21 @@ class MemoryEstimate:
     method: str
     types: dict[str, TypeTotal] = field(default_factory=dict)
 
-    def add(self, stored_as: str, held_as: str, layer: int, file_bytes: int, held: int, exact: bool) -> None:
+    def add(
+        self,
+        stored_as: str,
+        held_as: str,
+        layer: int,
+        file_bytes: int,
+        held: int,
+        exact: bool,
+        expected: int | None = None,
+    ) -> None:
+        """One projection: ``expected`` the bytes of its expected layout (None: ``held``)."""
         key = f"{stored_as} -> {held_as}"
-        self.types.setdefault(key, TypeTotal(stored_as, held_as)).add(layer, file_bytes, held, exact)
+        self.types.setdefault(key, TypeTotal(stored_as, held_as)).add(
+            layer, file_bytes, held, exact, expected
+        )
 
     @property
     def layers(self) -> int:
@@ -78,6 +100,7 @@ class MemoryEstimate:
             "file_bytes": sum(t.file_bytes for t in self.types.values()),
             "held_bytes": sum(t.held_bytes for t in self.types.values()),
             "exact": all(t.exact for t in self.types.values()),
+            "expected_bytes": sum(t.expected_bytes for t in self.types.values()),
         }
 
 
@@ -108,6 +131,32 @@ def gguf_bound(block: BlockType, experts: int, rows: int, k: int) -> int:
     return gguf_most_bytes(experts, rows, k, block.group, block.held_bits, block.mins)
 
 
+def gguf_expected_layout(block: BlockType) -> GgufLayout:
+    """The layout the engine holds ggml type ``block`` in where its data is as ggml's quantizer writes
+    it (BlockType's fields): values in its held bits, its mins, and its scales factored (multiples of
+    its ``multiple_bits`` of fp16 factors), or fp16; MXFP4's and NVFP4's (``factored`` None) as
+    unsigned E4M3 bytes with an fp32 factor per matrix, no larger than their blocks. The data may
+    take another (fewer levels, mins all 0, a scale off fp16's grid: the engine checks at load)."""
+    if block.factored is None:
+        return GgufLayout(block.held_bits, factored=False, mins=False, e4m3=True)
+    return GgufLayout(
+        block.held_bits,
+        block.factored,
+        block.mins,
+        half_scales=block.half and not block.factored,
+        half_factors=block.half and block.factored,
+        multiple_bits=block.multiple_bits,
+    )
+
+
+def gguf_expected(block: BlockType, experts: int, rows: int, k: int) -> int:
+    """The bytes the engine holds a GGUF projection of ggml type ``block`` in, in its expected layout
+    (gguf_expected_layout): ``block.held_bytes_per_weight()`` per weight (E4M3 layouts: the block's
+    bytes per weight) with the engine's rounding (rows padded to whole groups, k to whole 256s for
+    the factors), and for E4M3 layouts the fp32 per matrix."""
+    return projection_bytes("GGUF", experts, rows, k, block.group, layout=gguf_expected_layout(block))
+
+
 def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstimate:
     if fmt is not None and fmt.name not in (GGUF_FORMAT, FLOAT_FORMAT):
         raise ValueError(f"{path}: a GGUF model is read with method GGUF or BF16, not {fmt.name}")
@@ -119,15 +168,17 @@ def _gguf_estimate(path: Path, fmt: formats.WeightFormat | None) -> MemoryEstima
             continue
         type_name = tensor.tensor_type.name
         experts, rows, k = (int(d) for d in reversed(tensor.shape.tolist()))
+        expected = None
         if type_name in FLOAT_TYPES:
             held, exact, held_as = projection_bytes(FLOAT_FORMAT, experts, rows, k), True, FLOAT_FORMAT
         elif type_name in BLOCK_TYPES and fmt is not formats.BF16:
             held, exact, held_as = gguf_bound(BLOCK_TYPES[type_name], experts, rows, k), False, GGUF_FORMAT
+            expected = gguf_expected(BLOCK_TYPES[type_name], experts, rows, k)
         else:
             raise CheckpointError(
                 f"{file}: tensor {name!r} is {type_name}, which method {result.method} does not read"
             )
-        result.add(type_name, held_as, int(match["layer"]), int(tensor.n_bytes), held, exact)
+        result.add(type_name, held_as, int(match["layer"]), int(tensor.n_bytes), held, exact, expected)
     if not result.types:
         raise CheckpointError(f"{model.where}: no routed-expert tensors (blk.L.ffn_gate_exps.weight)")
     return result
@@ -266,16 +317,24 @@ def _size(count: int) -> str:
     return f"{count:,} B ({count / 1024**power:.2f} {units[power]})"
 
 
+def _held(count: int, file_bytes: int) -> str:
+    """Held bytes with their ratio to the file's: ``"1,234,567 B (1.18 MiB) (1.29x)"``."""
+    return f"{_size(count)} ({count / file_bytes if file_bytes else 0.0:.2f}x)"
+
+
 def format_estimate(result: dict) -> str:
-    """MemoryEstimate.as_dict() as text for a person: a line per type stored, then the totals."""
+    """MemoryEstimate.as_dict() as text for a person: a line per type stored, then the totals; held
+    bytes that are a bound are "at most", after the expected ones where those are fewer."""
     layers = f"{result['layers']} MoE layer{'' if result['layers'] == 1 else 's'}"
     lines = [f"routed experts of {result['path']} (method {result['method']}, {layers}):"]
     for entry in (*result["types"], {**result, "stored_as": "total", "held_as": ""}):
-        held = ("" if entry["exact"] else "at most ") + _size(entry["held_bytes"])
-        ratio = entry["held_bytes"] / entry["file_bytes"] if entry["file_bytes"] else 0.0
+        told = _held(entry["held_bytes"], entry["file_bytes"])
+        if not entry["exact"]:
+            told = f"at most {told}"
+            if entry["expected_bytes"] < entry["held_bytes"]:
+                told = f"expected {_held(entry['expected_bytes'], entry['file_bytes'])}, {told}"
         lines.append(
-            f"  {entry['stored_as']:<16} {entry['held_as']:<6} file {_size(entry['file_bytes'])}, "
-            f"held {held} ({ratio:.2f}x)"
+            f"  {entry['stored_as']:<16} {entry['held_as']:<6} file {_size(entry['file_bytes'])}, held {told}"
         )
     lines.append("held: what load_weights keeps in memory (one subpool, every expert; biases aside)")
     return "\n".join(lines)
