@@ -222,3 +222,26 @@ def test_sigint_at_random_moments_of_forward_calls_never_crashes_or_wedges():
     assert result.returncode == 0, result.stderr[-3000:]
     interrupts, same = result.stdout.split()
     assert int(interrupts) > 10 and same == "True", result.stdout
+
+
+def test_an_interrupt_the_moment_the_direct_submit_returns_leaves_no_call_behind(monkeypatch):
+    """The window the random SIGINT test hit under ASan: the engines started, the wrapper not yet
+    told. forward must still wait for that call, so that no later call frees its output under it."""
+    from kt_kernel.direct_path import DirectForward
+
+    p = make_problem(8, 4, 256, 256, 64, seed=3)
+    moe = moe_wrapper(8, 4, 256, 256)
+    moe.load_weights_from_tensors(p.gate, p.up, p.down)
+    expected = moe.forward(p.hidden, p.ids, p.weights)
+    submit = DirectForward.submit
+
+    def submit_then_interrupt(self, *args):
+        submit(self, *args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DirectForward, "submit", submit_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        moe.forward(p.hidden, p.ids, p.weights)
+    monkeypatch.setattr(DirectForward, "submit", submit)
+    assert not moe._direct.busy and moe._in_flight is None  # waited for and dropped
+    assert torch.equal(moe.forward(p.hidden, p.ids, p.weights), expected)

@@ -331,8 +331,16 @@ class KTMoEWrapper:
                 )
             if stream is None:
                 self._require_idle("submit a forward", deferred_too=False)
-                self._direct.submit(hidden_states, topk_ids, topk_weights, self._gpu_mask_address)
+                # In flight before the engines start: a KeyboardInterrupt the moment submit returns
+                # still finds the call (forward drops it, a next submit is refused), where the next
+                # submit replaced its output while the engines wrote it (ASan: use after free).
                 self._in_flight = self._direct
+                try:
+                    self._direct.submit(hidden_states, topk_ids, topk_weights, self._gpu_mask_address)
+                except BaseException:
+                    if not self._direct.busy:  # refused, or dropped by submit itself
+                        self._in_flight = None
+                    raise
                 return
             self._require_idle("submit a forward", deferred_too=False, stream_too=False)
             if self._stream is None:
