@@ -95,41 +95,48 @@ struct GgufFormat {
   // -128 * sum(x) times -1/128) of scale groups s0 .. s0 + n, kLanes rows from first_row, into
   // scales[i] and mins[i]. A loop per layout, its branches taken once per block: taken per scale
   // group and row vector, with their index arithmetic, they were 37 % of a Q4_K GEMM's instructions
-  // at one token (avx2). Tiles compiled apart per layout ran a factored prefill 5 % slower (T = 512,
-  // avx512, one process, interleaved).
+  // at one token (avx2); the factors decoded per scale group and signed indices another 15 % (the
+  // GEMMs of a Q4_K layer, one token: 79.6 -> 67.7 M instructions, bench/one_layer.py). Tiles compiled
+  // apart per layout ran a factored prefill 5 % slower (T = 512, avx512, one process, interleaved).
   static void block(const PackedGroups& w, const uint8_t* group_scales, int s0, int n, int first_row,
                     typename V::Float* scales, typename V::Float* mins) {
+    using Float = typename V::Float;
     // Copies: the stores of Float (may_alias) would reload w's fields.
     const bool has_mins = w.mins;
-    const int scale_group = w.scale_group, bias = w.multiple_bias;
-    const auto each = [&](auto decode) {  // decode(s, entry): entry 0 the scales, 1 the mins
-      for (int i = 0; i < n; ++i) {
-        scales[i] = decode(s0 + i, 0);
-        mins[i] = has_mins ? decode(s0 + i, 1) : V::set1_ps(0.0f);
+    const int bias = w.multiple_bias;
+    // Entry e of group s0 + i at first + i * stride (values), the mins' one entry_step on.
+    // Unsigned: a signed index divided by 8 (the 6-bit entries) took a sign fix-up each.
+    const unsigned first = gguf_entry_index(s0, 0, has_mins) + first_row, stride = gguf_entry_index(1, 0, has_mins);
+    const unsigned entry_step = kGroupRows;
+    const auto each = [&](auto decode) {  // decode(index of the entry's first row, entry)
+      unsigned at = first;
+      for (int i = 0; i < n; ++i, at += stride) {
+        scales[i] = decode(at, 0);
+        mins[i] = has_mins ? decode(at + entry_step, 1) : V::set1_ps(0.0f);
       }
     };
-    const auto at = [&](int s, int entry) { return gguf_entry_index(s, entry, has_mins) + first_row; };
-    if (w.e4m3_scales)  // no mins
-      return each([&](int s, int) { return V::e4m3_to_float(group_scales + s * kGroupRows + first_row); });
+    if (w.e4m3_scales)  // no mins: a byte per row and scale group
+      return each([&](unsigned at, int) { return V::e4m3_to_float(group_scales + at); });
     if (!w.factored_scales) {
-      if (w.half_scales) return each([&](int s, int e) { return V::half_to_float(group_scales + 2 * at(s, e)); });
-      return each([&](int s, int e) { return V::load_ps(reinterpret_cast<const float*>(group_scales) + at(s, e)); });
+      if (w.half_scales) return each([&](unsigned at, int) { return V::half_to_float(group_scales + 2 * at); });
+      return each([&](unsigned at, int) { return V::load_ps(reinterpret_cast<const float*>(group_scales) + at); });
     }
+    // Factored: the n groups (at most 8 of 16 or 32 inputs from a multiple of 8) lie in one block of
+    // kGgufBlockInputs inputs, one factor each for the scales and the mins, decoded once.
     const uint8_t* multiples = group_scales + w.multiples_at;
     const uint8_t* factors = group_scales + w.factors_at;
-    const auto factored = [&](auto multiple, auto factor) {
-      each([&](int s, int e) {
-        return V::mul(multiple(at(s, e)), factor(gguf_factor_index(s, e, scale_group, has_mins) + first_row));
-      });
+    const unsigned f = gguf_factor_index(s0, 0, w.scale_group, has_mins) + first_row;
+    const auto factor = [&](unsigned at) {
+      return w.half_factors ? V::half_to_float(factors + 2 * at)
+                            : V::loadu_ps(reinterpret_cast<const float*>(factors) + at);
     };
-    const auto six_bits = [&](int a) { return V::six_bits_to_float(multiples + a * 6 / 8, bias); };
-    const auto int8 = [&](int a) { return V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + a); };
-    const auto half = [&](int f) { return V::half_to_float(factors + 2 * f); };
-    const auto fp32 = [&](int f) { return V::loadu_ps(reinterpret_cast<const float*>(factors) + f); };
+    const Float factor_of[2] = {factor(f), has_mins ? factor(f + entry_step) : V::set1_ps(0.0f)};
     if (w.multiple_bits == 6)
-      w.half_factors ? factored(six_bits, half) : factored(six_bits, fp32);
-    else
-      w.half_factors ? factored(int8, half) : factored(int8, fp32);
+      return each(
+          [&](unsigned at, int e) { return V::mul(V::six_bits_to_float(multiples + at * 6 / 8, bias), factor_of[e]); });
+    each([&](unsigned at, int e) {
+      return V::mul(V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + at), factor_of[e]);
+    });
   }
 };
 
