@@ -409,11 +409,11 @@ struct IntTiles {
           KT_UNROLL
           for (int i = 0; i < M; ++i) {
             // Values less the lowest (kShifted): the start -128 * sum(x) made lowest * sum(x) (exact:
-            // a multiple of 128, and no larger).
-            const Int start =
-                V::set1(FourBit::kShifted
-                            ? x[i].group_starts[s] / kInt8Offset * (kInt8Offset - int(w.value_offset))
-                            : x[i].group_starts[s]);
+            // a multiple of 128, and no larger; divided by a shift, where / took a sign fix-up).
+            static_assert(kInt8Offset == 1 << 7);
+            const Int start = V::set1(FourBit::kShifted
+                                          ? (x[i].group_starts[s] >> 7) * (kInt8Offset - int(w.value_offset))
+                                          : x[i].group_starts[s]);
             for (int v = 0; v < kVecs; ++v) {
               if constexpr (P == 2) part[i][0][v] = V::set1(0);
               part[i][P - 1][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], start) : start;
@@ -431,7 +431,8 @@ struct IntTiles {
                 for (int v = 0; v < kVecs; ++v) partial[i][p][v] = Dot::begin(part[i][p][v]);
             // Value planes: the unit's lines from `unit` on, its plane line after them.
             constexpr int kUnitLines = FourBit::kPlaneLines + 1;
-            [[maybe_unused]] const int unit = FourBit::kPlaneLines > 0 ? c / kLinesPerStep * kUnitLines : 0;
+            [[maybe_unused]] const int unit =
+                FourBit::kPlaneLines > 0 ? int(unsigned(c) / kLinesPerStep * kUnitLines) : 0;  // c >= 0
             [[maybe_unused]] Int plane[kVecs];
             if constexpr (FourBit::kPlaneLines > 0)
               for (int v = 0; v < kVecs; ++v) {
