@@ -238,12 +238,15 @@ def test_gguf_rows_are_held_in_the_bytes_the_bench_counts(fmt):
     experts, top_k, hidden, inter = bench.SHAPES["tiny"]
     shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
     layer, model = (moe_wrapper(experts, top_k, hidden, inter, method="GGUF") for _ in range(2))
-    bench.load_bench_weights(layer, fmt, *(torch.randn(experts, *shape) * 0.05 for shape in shapes))
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(experts, *shape, generator=generator) * 0.05 for shape in shapes]
+    weights[0][0, 0, :32] = weights[0][0, 0, :32].abs()  # a scale group whose min is 0 (a file's -0.0)
+    bench.load_bench_weights(layer, fmt, *weights)
     model.load_weights_from_tensors(**bench_model.canonical_weights("tiny", fmt, seed=0))
     expected = weight_bytes(fmt) * 3 * experts * hidden * inter
-    for moe in (layer, model):
-        # rel: the tiny shape's 128-input rows are half a block of factored scales (a float per 256)
-        assert sum(sp.engine.packed_bytes() for sp in moe._subpools) == pytest.approx(expected, rel=0.03)
+    held = [sum(sp.engine.packed_bytes() for sp in moe._subpools) for moe in (layer, model)]
+    # rel: the tiny shape's 128-input rows are half a block of factored scales (a float per 256)
+    assert held[0] == held[1] == pytest.approx(expected, rel=0.03)
 
 
 def test_load_mode_prints_a_row_per_format(tmp_path):

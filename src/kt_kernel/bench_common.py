@@ -169,7 +169,9 @@ def gguf_bench_tensor(weight, kind: GgufBenchKind):
         scale = blocks.abs().amax(dim=-1) / high
     if kind.factored:
         top = 127 if kind.multiple_bits == 8 else 63
-        scale, minimum = _factored(scale, kind.group, top), _factored(minimum, kind.group, top)
+        scale = _factored(scale, kind.group, top)
+        if kind.mins:  # a file's min is -(dmin * m): a 0 multiple is -0.0, as a negative factor gives back
+            minimum = -_factored(0.0 - minimum, kind.group, top)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((blocks - minimum[..., None]) / safe[..., None]).clamp(low, high)
     pairs = torch.stack([scale, minimum], dim=-1).reshape(*scale.shape[:-1], -1)
