@@ -28,19 +28,32 @@ constexpr int kWeightPrefetchBytes = 4096;
 // streams per tile hold more misses than L1 can track, and the demand loads wait behind them
 // (Zen 4, 2 threads, qwen3-30b: INT4 T = 8 9.0-10.0 -> 5.5-6.5 ms; avx2 BF16 prefill about 10 % slower
 // with L2 prefetches). `line` is in group `group` of w; gemm_tiled sets where the prefetches go.
-inline void prefetch_weights(const PackedGroups& w, int group, const uint8_t* line) {
+struct WeightPrefetch {
+  ptrdiff_t distance;
+  bool to_l1;
   // Volatile asm, not _mm_prefetch: GCC 12 deleted the tiles' prefetches (both kinds) when this
   // function chose between the two by a branch. The address goes in a register ("r"), never as a
   // memory operand ("m"): GCC then assumed the asm might read the tile's accumulator array and
   // stored every accumulator to the stack on each step (vdpbf16ps BF16 tiles of 6 x 4: 24 zmm
   // stores per 24 multiply-adds; 2.3x slower on Zen 4, whose stores are 256 bits wide).
-  if (w.prefetch_to_l1) {
-    asm volatile("prefetcht0 (%0)" : : "r"(line + kWeightPrefetchBytes));
-    return;
+  void operator()(const uint8_t* line) const {
+    if (to_l1)
+      asm volatile("prefetcht0 (%0)" : : "r"(line + distance));
+    else
+      asm volatile("prefetcht1 (%0)" : : "r"(line + distance));
   }
+};
+
+// The prefetch of `line` and of the lines just after it (a 4-bit tile's step: a few hundred bytes,
+// one decision for them where one per line took 6 instructions of a Q4_K group's 223, avx2).
+inline WeightPrefetch weight_prefetch(const PackedGroups& w, int group, const uint8_t* line) {
+  if (w.prefetch_to_l1) return {kWeightPrefetchBytes, true};
   const size_t in_group = size_t(line - w.values) - size_t(group) * w.group_bytes;
-  const ptrdiff_t distance = in_group < w.far_from ? ptrdiff_t(kWeightPrefetchBytes) : w.far_distance;
-  asm volatile("prefetcht1 (%0)" : : "r"(line + distance));
+  return {in_group < w.far_from ? ptrdiff_t(kWeightPrefetchBytes) : w.far_distance, false};
+}
+
+inline void prefetch_weights(const PackedGroups& w, int group, const uint8_t* line) {
+  weight_prefetch(w, group, line)(line);
 }
 
 // The weights of one pass, read once (decode): 4 KiB ahead into L2, and from 4 KiB before the end

@@ -83,7 +83,7 @@ struct Mxfp4Format {
 
 // GGUF: int8 values stored as q + 128 in the INT8 layout (a line is a quad, two lines an octet), a
 // scale and a min per G = 16 or 32 inputs, fp32, fp16 or factored (kernels.h). Never on vpmaddubsw:
-// byte weights would saturate its int16 sums (GgufNibbleFormat's may take it).
+// byte weights would saturate its int16 sums (GgufNibbleFormat's and GgufPlanarFormat's may take it).
 template <class V>
 struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
@@ -170,7 +170,7 @@ template <class V, int kBits>
 struct GgufPlanarFormat : GgufFormat<V> {
   using Int = typename V::Int;
   static constexpr bool kByteValues = false, kShifted = true;
-  static constexpr int kPlaneLines = plane_lines(kBits), kHighBits = kBits - 4;
+  static constexpr int kPlaneLines = plane_lines(kBits), kHighBits = kBits - 4, kMaxValue = (1 << kBits) - 1;
   // The u8 values v of half n (0: low nibbles) of nibble line l of a unit: `nibbles` holds them in
   // bits 0..3 of each byte (and anything above). l and n are constants once the tile's line loop is
   // unrolled: immediate shifts.
@@ -203,6 +203,8 @@ struct MaddubsDot {
   static Weights weights(Int line) { return line; }
   static Act activation(const int8_t* values, int j) { return V::set1(load_int8_quad(values + 4 * j)); }
   static constexpr int lines_per_partial(int max_weight) { return 4 * 4 * 128 * max_weight <= INT16_MAX ? 4 : 1; }
+  // Whether one line's 4 products (two vpmaddubsw added) fit an int16 lane: weights up to 63.
+  static constexpr bool takes(int max_weight) { return 4 * 128 * max_weight <= INT16_MAX; }
   static Partial begin(Int) { return V::set1(0); }
   static Partial add2(Partial partial, Weights w1, Act a1, Weights w2, Act a2) {
     return V::add_epi16(partial, V::add_epi16(V::maddubs_epi16(w1, a1), V::maddubs_epi16(w2, a2)));
@@ -384,14 +386,14 @@ struct IntTiles {
       // Every 4-bit scale group is whole runs of 4 lines (32 inputs).
       static constexpr int kLinesPerPartial = Dot::lines_per_partial(FourBit::kMaxValue);
       static_assert(4 % kLinesPerPartial == 0);
-      // Value planes: a step is one unit (its scale group holds whole units: gguf.cpp), on Dots
-      // that add into the sums (GGUF's byte values never take vpmaddubsw).
+      // Value planes: a step is one unit (its scale group holds whole units: gguf.cpp), its partials
+      // added into the sums every kLinesPerPartial lines.
       static constexpr int kLinesPerStep = FourBit::kPlaneLines > 0 ? FourBit::kPlaneLines : kLinesPerPartial;
-      static_assert(FourBit::kPlaneLines == 0 || kLinesPerPartial == 1);
+      static_assert(kLinesPerStep % kLinesPerPartial == 0);
       static constexpr int kScaleBlock = 8;  // GGUF's scale groups decoded at a time
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
         // Value planes whose scale groups are one unit each (Q6_K's 16 inputs, Q5_K's 32): the step
-        // loop known to run once (avx2, Q6_K, one token: 107.6 -> 100.9 M instructions, bench/one_layer.py).
+        // loop known to run once (avx2, Q6_K, one token, 3 layer calls: 107.6 -> 100.9 M instructions).
         if constexpr (FourBit::kPlaneLines > 0)
           if (FourBit::inputs_per_scale(w) == 8 * kLinesPerStep) return steps<true>(x, w, y, y_stride);
         steps<false>(x, w, y, y_stride);
@@ -442,10 +444,18 @@ struct IntTiles {
             constexpr int kUnitLines = FourBit::kPlaneLines + 1;
             [[maybe_unused]] const int unit =
                 FourBit::kPlaneLines > 0 ? int(unsigned(c) / kLinesPerStep * kUnitLines) : 0;  // c >= 0
+            // The step's lines lie together from its first: their prefetches go one way (weight_prefetch).
+            const int first = FourBit::kPlaneLines > 0 ? unit : FourBit::kByteValues ? 2 * c : c;
+            WeightPrefetch ahead[kVecs] = {};
+            for (int v = 0; v < kVecs; v += kVecsPerGroup)
+              ahead[v] = weight_prefetch(w, v / kVecsPerGroup, line(w, v, first));
+            const auto prefetch = [&](int v, int index) {
+              if (v % kVecsPerGroup == 0) ahead[v](line(w, v, index));
+            };
             [[maybe_unused]] Int plane[kVecs];
             if constexpr (FourBit::kPlaneLines > 0)
               for (int v = 0; v < kVecs; ++v) {
-                prefetch_line(w, v, unit + FourBit::kPlaneLines);
+                prefetch(v, unit + FourBit::kPlaneLines);
                 plane[v] = V::load(line(w, v, unit + FourBit::kPlaneLines));
               }
             KT_UNROLL
@@ -454,22 +464,22 @@ struct IntTiles {
               typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8j..8j+3 and 8j+4..8j+7
               for (int v = 0; v < kVecs; ++v) {
                 if constexpr (FourBit::kPlaneLines > 0) {
-                  prefetch_line(w, v, unit + l);
+                  prefetch(v, unit + l);
                   const Int raw = V::load(line(w, v, unit + l));
                   low[v] = Dot::weights(FourBit::values(raw, plane[v], l, 0, low_nibbles));
                   high[v] = Dot::weights(FourBit::values(V::srli_epi32(raw, 4), plane[v], l, 1, low_nibbles));
                 } else if constexpr (FourBit::kByteValues) {
-                  prefetch_line(w, v, 2 * j);
-                  prefetch_line(w, v, 2 * j + 1);
+                  prefetch(v, 2 * j);
+                  prefetch(v, 2 * j + 1);
                   low[v] = Dot::weights(V::load(line(w, v, 2 * j)));
                   high[v] = Dot::weights(V::load(line(w, v, 2 * j + 1)));
                 } else if constexpr (FourBit::kIndexed) {
-                  prefetch_line(w, v, j);
+                  prefetch(v, j);
                   const Int raw = V::load(line(w, v, j));
                   low[v] = Dot::weights(V::lookup16(w.levels, V::and_(raw, low_nibbles)));
                   high[v] = Dot::weights(V::lookup16(w.levels, V::and_(V::srli_epi32(raw, 4), low_nibbles)));
                 } else {
-                  prefetch_line(w, v, j);
+                  prefetch(v, j);
                   const Int raw = V::load(line(w, v, j));
                   low[v] = Dot::weights(FourBit::low_values(raw, low_nibbles));
                   high[v] = Dot::weights(FourBit::low_values(V::srli_epi32(raw, 4), low_nibbles));
@@ -483,11 +493,16 @@ struct IntTiles {
                   for (int v = 0; v < kVecs; ++v)
                     partial[i][p][v] = Dot::add2(partial[i][p][v], low[v], a_low, high[v], a_high);
                 }
+              if ((l + 1) % kLinesPerPartial == 0) {
+                KT_UNROLL
+                for (int i = 0; i < M; ++i)
+                  for (int p = 0; p < P; ++p)
+                    for (int v = 0; v < kVecs; ++v) {
+                      part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
+                      partial[i][p][v] = Dot::begin(part[i][p][v]);
+                    }
+              }
             }
-            KT_UNROLL
-            for (int i = 0; i < M; ++i)
-              for (int p = 0; p < P; ++p)
-                for (int v = 0; v < kVecs; ++v) part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
           } while (!kOneStep && (c += kLinesPerStep) < (s + 1) * lines_per_scale);
           // Decoded once for the M tokens: GCC did not share a decode (GGUF's 6-bit multiples, fp16
           // factors) between them (avx2, T = 8, Q4_K_M's GEMMs: 402 -> 216 M instructions). GGUF's
@@ -661,12 +676,14 @@ void for_gguf_values(const PackedGroups& w, Run run) {
   }
 }
 
-// GGUF without vpdpbusd: values small enough for vpmaddubsw (GgufNibbleFormat) in scale groups of
-// whole partials (4 lines) as INT4 (gemm_four_bit_maddwd), the others on widened tokens.
+// GGUF without vpdpbusd: values small enough for vpmaddubsw (GgufNibbleFormat's, value planes') in
+// scale groups of whole partials as INT4 (gemm_four_bit_maddwd: at one token or on int8 rows), the
+// others on widened tokens. Q6_K's planes on vpmaddubsw, not widened (avx2, one token, 3 layer
+// calls: 100.9 -> 96.0 M instructions, bench/one_layer.py).
 template <class V, int MaxRows, int NV, int MaxTokens, int TokenNV>
 void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   for_gguf_values<V>(w, [&]<class Format>(const PackedGroups& held) {
-    if constexpr (Format::kMaxValue <= 15) {
+    if constexpr (MaddubsDot<V>::takes(Format::kMaxValue)) {
       if (held.scale_group % (8 * MaddubsDot<V>::lines_per_partial(Format::kMaxValue)) == 0)
         return gemm_four_bit_maddwd<V, Format, MaxRows, NV, MaxTokens, TokenNV>(x, held, y, y_stride);
     }

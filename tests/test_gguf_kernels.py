@@ -256,6 +256,32 @@ def test_values_of_32_or_64_integers_are_held_in_value_planes(span, end):
     assert_written_back(tensors, (("gate", 32, 160), ("down", 16, 64)))
 
 
+# Exact: the channels at -255/256 of the largest give an int8 row at -127 and a residual near 127;
+# int8_activations: -1 is exactly -127 (its loss elsewhere: test_int8_activations_stay_...).
+@pytest.mark.parametrize("int8_activations, fill", [(False, -255 / 256), (True, -1.0)], ids=["exact", "int8"])
+def test_value_planes_at_their_largest_on_the_largest_activations(int8_activations, fill):
+    """6-bit planes whose values are all 63 above the lowest, on a token whose int8 row (and
+    residual) sit near -127: a line's products reach 4 x 63 x 127, which an int16 lane just holds;
+    two lines' would not."""
+    g = torch.Generator().manual_seed(6)
+    tensors = []
+    for t in problem((32, 16), False, seed=11):
+        values = torch.full_like(t[0], -128 + 63)
+        values.view(-1)[0] = -128  # the window's other end: 64 integers, 6-bit planes
+        tensors.append((values, t[1].abs()))
+    tensors[2] = in_window(tensors[2], -128, 64, g)
+    assert engine_bytes(*tensors) == EXPERTS * (
+        2 * held_bytes(INTER, HIDDEN, 32, 6, False, False) + held_bytes(HIDDEN, INTER, 16, 6, False, False)
+    )
+    x = torch.full((1, HIDDEN), fill)
+    x[0, 0] = 1.0  # the row's largest: its scale is 1 / 127
+    ids, weights = routing(1, EXPERTS, TOP_K, hot=True)
+    ref = reference([decoded(*t) for t in tensors], x, ids, weights)
+    moe = loaded(*tensors, int8_activations=int8_activations)
+    error = relative_error(moe.forward(x, ids, weights), ref)
+    assert error < BOUND, f"relative error {error:.4%}"
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit for bit (-0.0 is not +0.0): what the write-back must give back."""
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
