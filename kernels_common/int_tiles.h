@@ -7,8 +7,9 @@
 // slli_epi32, add_epi8, add_epi32, sub_epi32, mullo_epi32, to_float, fmadd, mul, add_ps, storeu_ps, lookup16(table,
 // indices) (a byte per index < 16), e8m0_to_float(kLanes bytes) (2^(s - 127); s = 0 gives the
 // fp32 denormal 2^-127), e4m3_to_float(kLanes bytes) (unsigned E4M3 codes, exactly),
-// half_to_float(kLanes fp16, unaligned) and six_bits_to_float(bytes, bias) (kLanes 6-bit fields, lane
-// i at bits 6i..6i+5, minus bias; reads up to 16 bytes).
+// half_to_float(kLanes fp16, unaligned), six_bits_to_float(bytes, bias) (kLanes 6-bit fields, lane
+// i at bits 6i..6i+5, minus bias; reads up to 16 bytes) and four_bits_to_float(bytes) (kLanes 4-bit
+// fields, lane i at bits 4i..4i+3).
 // Dot provides: Weights weights(V::Int line), Act activation(const int8_t* values, int j) (the
 // activations 4j..4j+3 of a row), V::Int dot(V::Int acc, const Weights&, const Act&) = acc + per
 // 32-bit lane sum of 4 u8 x s8 (or, MaddwdDot, u8 x s16), kQuadsPerSum (how many quads an int32
@@ -42,15 +43,16 @@ struct SumsInPlace {
 // (the kLanes rows' scales of group s).
 // kByteValues: values of a byte each (GGUF), an octet in two INT8-layout lines instead of one
 // line's nibbles; kIndexed: the nibbles index the weights' own 16 levels (w.levels: GGUF); kMins: a
-// min per scale group, added times the activations' sum (GGUF); kPlaneLines: the nibble lines of a
-// unit of value planes (GGUF, 5 or 6 bits: kernels.h), 0 without planes; kShifted: the values are
-// q - lowest (w.value_offset: lowest + 128), each scale group's sum started at lowest * sum(x) (GGUF).
+// min per scale group, added times the activations' sum (GGUF); kStepLines: the 8-input lines of a
+// tile step of value planes (GGUF, kernels.h: a unit, or half a unit of crumbs), 0 without planes;
+// kShifted: the values are q - lowest (w.value_offset: lowest + 128), each scale group's sum started
+// at lowest * sum(x) (GGUF).
 template <class V>
 struct Int4Format {
   static constexpr int kOffset = kInt4Offset, kMaxValue = 15;
   static constexpr float kValueScale = 1.0f;
   static constexpr bool kByteValues = false, kIndexed = false, kMins = false, kShifted = false;
-  static constexpr int kPlaneLines = 0;
+  static constexpr int kStepLines = 0;
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
     return V::and_(bytes, low_nibbles);
   }
@@ -69,7 +71,7 @@ struct Mxfp4Format {
   static constexpr int kOffset = 12, kMaxValue = 24;
   static constexpr float kValueScale = 0.5f;
   static constexpr bool kByteValues = false, kIndexed = false, kMins = false, kShifted = false;
-  static constexpr int kPlaneLines = 0;
+  static constexpr int kStepLines = 0;
   // E2M1 code -> 2 x value + 12 (codes 8..15 are the negatives of 0..7).
   alignas(16) static constexpr int8_t kValues[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
   static typename V::Int low_values(typename V::Int bytes, typename V::Int low_nibbles) {
@@ -89,7 +91,7 @@ struct GgufFormat {
   static constexpr int kOffset = kInt8Offset, kMaxValue = 255;
   static constexpr float kValueScale = 1.0f;
   static constexpr bool kByteValues = true, kIndexed = false, kMins = true, kShifted = false;
-  static constexpr int kPlaneLines = 0;
+  static constexpr int kStepLines = 0;
   static int inputs_per_scale(const PackedGroups& w) { return w.scale_group; }
   // The scales and the mins (0 without: the tiles multiply them by sum(x), the group's start
   // -128 * sum(x) times -1/128) of scale groups s0 .. s0 + n, kLanes rows from first_row, into
@@ -134,6 +136,8 @@ struct GgufFormat {
     if (w.multiple_bits == 6)
       return each(
           [&](unsigned at, int e) { return V::mul(V::six_bits_to_float(multiples + at * 6 / 8, bias), factor_of[e]); });
+    if (w.multiple_bits == 4)  // no bias (kernels.h)
+      return each([&](unsigned at, int e) { return V::mul(V::four_bits_to_float(multiples + at / 2), factor_of[e]); });
     each([&](unsigned at, int e) {
       return V::mul(V::int8_to_float(reinterpret_cast<const int8_t*>(multiples) + at), factor_of[e]);
     });
@@ -161,24 +165,48 @@ struct GgufNibbleFormat : GgufFormat<V> {
   }
 };
 
-// GGUF held as value planes of kBits (5 or 6) bits (kernels.h): per unit of kPlaneLines nibble
-// lines one plane line, shifted onto each half-line's nibbles. The tile multiplies the values
-// v = q - lowest as they are and starts each scale group's sum at lowest * sum(x) (FourBitParts), where
-// adding w.value_offset to every byte took two more operations per line (avx2, Q6_K, T = 1: 2 %
-// of the GEMM's instructions).
+// Where a step of value planes lies in its group: its first low line and its unit's plane line, and
+// the shift that brings the step's high bits to the plane's first quads (the second half of a crumb
+// unit: by its 4 quads).
+struct PlaneStep {
+  int low = 0, plane = 0, plane_shift = 0;
+};
+
+// GGUF held as value planes of kBits (2, 3, 5 or 6) bits (kernels.h): a tile step's quads from its
+// low lines (nibbles or crumbs), each or-ed with its high bits from the unit's plane line. The tile
+// multiplies the values v = q - lowest as they are and starts each scale group's sum at
+// lowest * sum(x) (FourBitParts), where adding w.value_offset to every byte took two more operations
+// per line (avx2, Q6_K, T = 1: 2 % of the GEMM's instructions).
 template <class V, int kBits>
 struct GgufPlanarFormat : GgufFormat<V> {
   using Int = typename V::Int;
   static constexpr bool kByteValues = false, kShifted = true;
-  static constexpr int kPlaneLines = plane_lines(kBits), kHighBits = kBits - 4, kMaxValue = (1 << kBits) - 1;
-  // The u8 values v of half n (0: low nibbles) of nibble line l of a unit: `nibbles` holds them in
-  // bits 0..3 of each byte (and anything above). l and n are constants once the tile's line loop is
-  // unrolled: immediate shifts.
-  static Int values(Int nibbles, Int plane, int l, int n, Int low_nibbles) {
-    const int at = kHighBits * (2 * l + n);  // the high bits' place in each plane byte
-    const Int high = at <= 4 ? V::slli_epi32(plane, 4 - at) : V::srli_epi32(plane, at - 4);
-    const Int high_mask = V::set1(((1 << kHighBits) - 1) * 0x10101010);
-    return V::or_(V::and_(nibbles, low_nibbles), V::and_(high, high_mask));
+  static constexpr int kLowBits = plane_low_bits(kBits), kHighBits = plane_high_bits(kBits);
+  static constexpr int kMaxValue = (1 << kBits) - 1, kQuadsPerLine = 8 / kLowBits;
+  // A step: a unit of nibbles; half a unit of crumbs (16 inputs: one crumb line, Q3_K's scale group).
+  static constexpr int kStepLines = kLowBits == 4 ? plane_lines(kBits) : 2;
+  static constexpr int kStepsPerUnit = unit_inputs(kBits) / (8 * kStepLines);
+  static PlaneStep step_at(int c) {
+    const unsigned step = unsigned(c) / kStepLines, half = step % kStepsPerUnit;  // c >= 0
+    const int unit = int(step / kStepsPerUnit) * unit_lines(kBits);
+    return {unit + int(half) * kStepLines * kLowBits / 4, unit + plane_lines(kBits),
+            int(half) * kHighBits * 2 * kStepLines};
+  }
+  // The low line of a step that holds quad q (from the step's first).
+  static constexpr int low_line(int q) { return q / kQuadsPerLine; }
+  // The u8 values v of quad q of a step: `line` its low line, `plane` the step's plane (shifted:
+  // step_at). q is a constant once the tile's line loop is unrolled: immediate shifts.
+  static Int values(Int line, Int plane, int q) {
+    const int low_shift = kLowBits * (q % kQuadsPerLine);
+    const Int low = V::and_(low_shift > 0 ? V::srli_epi32(line, low_shift) : line,
+                            V::set1(((1 << kLowBits) - 1) * 0x01010101));
+    if constexpr (kHighBits == 0) {
+      return low;
+    } else {
+      const int at = kHighBits * q;  // the high bits' place in each plane byte, wanted at kLowBits
+      const Int high = at <= kLowBits ? V::slli_epi32(plane, kLowBits - at) : V::srli_epi32(plane, at - kLowBits);
+      return V::or_(low, V::and_(high, V::set1((((1 << kHighBits) - 1) << kLowBits) * 0x01010101)));
+    }
   }
 };
 
@@ -282,6 +310,14 @@ bool pairs_fit(const PackedGroups& w) {
   return int64_t(FourBit::inputs_per_scale(w)) * FourBit::kMaxValue * 127 * 257 < (int64_t(1) << 31);
 }
 
+// The lines whose products a 4-bit tile gathers in one Dot::Partial: as many as its lanes hold,
+// within a step of value planes.
+template <class Dot, class FourBit>
+constexpr int partial_lines() {
+  const int lines = Dot::lines_per_partial(FourBit::kMaxValue);
+  return FourBit::kStepLines > 0 ? std::min(lines, FourBit::kStepLines) : lines;
+}
+
 // Every loop over a tile's rows is unrolled (KT_UNROLL): where GCC 12 kept one rolled, it held the
 // accumulators in memory and stored each of them to the stack on every step of the inner loop
 // (avx512, one core, 768 x 2048 in cache, 32 rows, exact activations: INT8 131 -> 360 GOP/s, INT4
@@ -383,25 +419,24 @@ struct IntTiles {
     template <int M, int NV>
     struct Tile {
       static constexpr int kVecs = NV * kVecsPerGroup;
-      // Every 4-bit scale group is whole runs of 4 lines (32 inputs).
-      static constexpr int kLinesPerPartial = Dot::lines_per_partial(FourBit::kMaxValue);
-      static_assert(4 % kLinesPerPartial == 0);
-      // Value planes: a step is one unit (its scale group holds whole units: gguf.cpp), its partials
-      // added into the sums every kLinesPerPartial lines.
-      static constexpr int kLinesPerStep = FourBit::kPlaneLines > 0 ? FourBit::kPlaneLines : kLinesPerPartial;
-      static_assert(kLinesPerStep % kLinesPerPartial == 0);
+      // Every 4-bit scale group is whole runs of 4 lines (32 inputs), or of value planes' steps
+      // (a scale group holds whole steps: gguf.cpp), their partials added into the sums every
+      // kLinesPerPartial lines.
+      static constexpr int kLinesPerPartial = partial_lines<Dot, FourBit>();
+      static constexpr int kLinesPerStep = FourBit::kStepLines > 0 ? FourBit::kStepLines : kLinesPerPartial;
+      static_assert(4 % kLinesPerPartial == 0 && kLinesPerStep % kLinesPerPartial == 0);
       static constexpr int kScaleBlock = 8;  // GGUF's scale groups decoded at a time
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
-        // Value planes whose scale groups are one unit each (Q6_K's 16 inputs, Q5_K's 32): the step
-        // loop known to run once (avx2, Q6_K, one token, 3 layer calls: 107.6 -> 100.9 M instructions).
-        if constexpr (FourBit::kPlaneLines > 0)
+        // Value planes whose scale groups are one step each (Q6_K's, Q3_K's and Q2_K's 16 inputs,
+        // Q5_K's 32): the step loop known to run once (avx2, Q6_K, one token, 3 layer calls: 107.6 -> 100.9 M instructions).
+        if constexpr (FourBit::kStepLines > 0)
           if (FourBit::inputs_per_scale(w) == 8 * kLinesPerStep) return steps<true>(x, w, y, y_stride);
         steps<false>(x, w, y, y_stride);
       }
       // kOneStep: each scale group is one step.
       template <bool kOneStep>
       static void steps(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
-        const Int low_nibbles = V::set1(kLowNibbles);
+        [[maybe_unused]] const Int low_nibbles = V::set1(kLowNibbles);
         const int inputs_per_scale = FourBit::inputs_per_scale(w), lines_per_scale = inputs_per_scale / 8;
         Float acc[M][kVecs];
         KT_UNROLL
@@ -440,12 +475,11 @@ struct IntTiles {
             for (int i = 0; i < M; ++i)
               for (int p = 0; p < P; ++p)
                 for (int v = 0; v < kVecs; ++v) partial[i][p][v] = Dot::begin(part[i][p][v]);
-            // Value planes: the unit's lines from `unit` on, its plane line after them.
-            constexpr int kUnitLines = FourBit::kPlaneLines + 1;
-            [[maybe_unused]] const int unit =
-                FourBit::kPlaneLines > 0 ? int(unsigned(c) / kLinesPerStep * kUnitLines) : 0;  // c >= 0
+            // Value planes: the step's low lines and its unit's plane line.
+            [[maybe_unused]] PlaneStep at;
+            if constexpr (FourBit::kStepLines > 0) at = FourBit::step_at(c);
             // The step's lines lie together from its first: their prefetches go one way (weight_prefetch).
-            const int first = FourBit::kPlaneLines > 0 ? unit : FourBit::kByteValues ? 2 * c : c;
+            const int first = FourBit::kStepLines > 0 ? at.low : FourBit::kByteValues ? 2 * c : c;
             WeightPrefetch ahead[kVecs] = {};
             for (int v = 0; v < kVecs; v += kVecsPerGroup)
               ahead[v] = weight_prefetch(w, v / kVecsPerGroup, line(w, v, first));
@@ -453,21 +487,27 @@ struct IntTiles {
               if (v % kVecsPerGroup == 0) ahead[v](line(w, v, index));
             };
             [[maybe_unused]] Int plane[kVecs];
-            if constexpr (FourBit::kPlaneLines > 0)
-              for (int v = 0; v < kVecs; ++v) {
-                prefetch(v, unit + FourBit::kPlaneLines);
-                plane[v] = V::load(line(w, v, unit + FourBit::kPlaneLines));
-              }
+            if constexpr (FourBit::kStepLines > 0) {
+              if constexpr (FourBit::kHighBits > 0)
+                for (int v = 0; v < kVecs; ++v) {
+                  prefetch(v, at.plane);
+                  plane[v] = V::load(line(w, v, at.plane));
+                  if constexpr (FourBit::kStepsPerUnit > 1) plane[v] = V::srli_epi32(plane[v], at.plane_shift);
+                }
+            }
             KT_UNROLL
             for (int l = 0; l < kLinesPerStep; ++l) {
               const int j = c + l;
               typename Dot::Weights low[kVecs], high[kVecs];  // inputs 8j..8j+3 and 8j+4..8j+7
               for (int v = 0; v < kVecs; ++v) {
-                if constexpr (FourBit::kPlaneLines > 0) {
-                  prefetch(v, unit + l);
-                  const Int raw = V::load(line(w, v, unit + l));
-                  low[v] = Dot::weights(FourBit::values(raw, plane[v], l, 0, low_nibbles));
-                  high[v] = Dot::weights(FourBit::values(V::srli_epi32(raw, 4), plane[v], l, 1, low_nibbles));
+                if constexpr (FourBit::kStepLines > 0) {
+                  // Quads 2l and 2l + 1 of the step (a crumb line holds two lines' quads).
+                  const int low_line = at.low + FourBit::low_line(2 * l);
+                  if ((2 * l) % FourBit::kQuadsPerLine == 0) prefetch(v, low_line);
+                  const Int raw = V::load(line(w, v, low_line));
+                  const Int high_bits = FourBit::kHighBits > 0 ? plane[v] : raw;  // 2 bits: none
+                  low[v] = Dot::weights(FourBit::values(raw, high_bits, 2 * l));
+                  high[v] = Dot::weights(FourBit::values(raw, high_bits, 2 * l + 1));
                 } else if constexpr (FourBit::kByteValues) {
                   prefetch(v, 2 * j);
                   prefetch(v, 2 * j + 1);
@@ -671,6 +711,10 @@ void for_gguf_values(const PackedGroups& w, Run run) {
     run.template operator()<GgufPlanarFormat<V, 6>>(w);
   } else if (w.value_bits == 5) {
     run.template operator()<GgufPlanarFormat<V, 5>>(w);
+  } else if (w.value_bits == 3) {
+    run.template operator()<GgufPlanarFormat<V, 3>>(w);
+  } else if (w.value_bits == 2) {
+    run.template operator()<GgufPlanarFormat<V, 2>>(w);
   } else {
     run.template operator()<GgufFormat<V>>(w);
   }
@@ -684,7 +728,7 @@ template <class V, int MaxRows, int NV, int MaxTokens, int TokenNV>
 void gemm_gguf_maddwd(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   for_gguf_values<V>(w, [&]<class Format>(const PackedGroups& held) {
     if constexpr (MaddubsDot<V>::takes(Format::kMaxValue)) {
-      if (held.scale_group % (8 * MaddubsDot<V>::lines_per_partial(Format::kMaxValue)) == 0)
+      if (held.scale_group % (8 * partial_lines<MaddubsDot<V>, Format>()) == 0)
         return gemm_four_bit_maddwd<V, Format, MaxRows, NV, MaxTokens, TokenNV>(x, held, y, y_stride);
     }
     gemm_gguf_maddwd_of<V, MaxTokens, TokenNV, Format>(x, held, y, y_stride);

@@ -26,10 +26,6 @@ from moe_reference import moe_wrapper  # noqa: E402
 EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 512, 256
 NAMES = ("gate", "up", "down")
 SHAPES = {"gate": (INTER, HIDDEN), "up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
-#: The held bytes per weight (values and scales) the issue asks for: the file's.
-AT_MOST_THE_FILE = ("Q4_0", "Q8_0", "Q4_1", "IQ4_NL", "IQ4_XS", "Q4_K")
-#: The types held in more than their file's bytes: 2- and 3-bit values take 4-bit indices.
-ABOVE_THE_FILE = {"Q2_K", "Q3_K"}
 #: Scale bytes per 256 inputs of a row: Q6_K's int8 per 16 and an fp16; Q5_K's 6-bit scale and min per
 #: 32 and two fp16.
 SCALE_BYTES_PER_256 = {"Q6_K": 18, "Q5_K": 16}
@@ -101,8 +97,7 @@ def value_bytes(type_name: str) -> int:
 def test_fp16_scales_are_held_as_fp16(type_name):
     held = check(canonical(type_name, 1))
     assert held == layout_bytes(type_name, half_scales=True)
-    if type_name in AT_MOST_THE_FILE:
-        assert held <= file_bytes(type_name)
+    assert held <= file_bytes(type_name)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "IQ4_XS", "Q5_K", "Q2_K", "Q3_K", "Q6_K"])
@@ -110,18 +105,19 @@ def test_k_quant_scales_are_small_multiples_of_fp16_factors(type_name):
     held = check(canonical(type_name, 2))
     bits = BLOCK_TYPES[type_name].multiple_bits
     assert held == layout_bytes(type_name, factored=True, half_factors=True, multiple_bits=bits)
-    if type_name in AT_MOST_THE_FILE:
-        assert held <= file_bytes(type_name)
+    assert held <= file_bytes(type_name)
     if type_name in SCALE_BYTES_PER_256:
         inputs = sum(EXPERTS * rows * k for rows, k in SHAPES.values())
         assert held - value_bytes(type_name) <= inputs // 256 * SCALE_BYTES_PER_256[type_name]
 
 
-def test_the_targets_per_weight():
-    """The bytes per weight the layouts give, as gguf_blocks tells them (info's warning)."""
-    per_weight = {name: BLOCK_TYPES[name].held_bytes_per_weight() for name in AT_MOST_THE_FILE}
-    assert per_weight == {"Q4_0": 0.5625, "Q8_0": 1.0625, "Q4_1": 0.625, "IQ4_NL": 0.5625, "IQ4_XS": 0.53125,
-                          "Q4_K": 0.5625}  # fmt: skip
+def test_every_type_is_held_in_its_file_bytes_per_weight():
+    """The bytes per weight the layouts give, as gguf_blocks tells them (info --memory): each type's
+    file's, but MXFP4's and NVFP4's blocks (E4M3 layouts: their fp32 per matrix on top, checked from
+    a file below)."""
+    held = {name: b.held_bytes_per_weight() for name, b in BLOCK_TYPES.items() if b.factored is not None}
+    assert set(held) == set(BLOCK_TYPES) - {"MXFP4", "NVFP4"}
+    assert held == {name: BLOCK_TYPES[name].block_bytes / BLOCK_TYPES[name].block_inputs for name in held}
 
 
 def test_a_scale_not_an_fp16_is_held_as_fp32():
@@ -233,34 +229,31 @@ def held_from_a_file(path, type_name: str) -> int:
     write_layer(path, projections, experts=EXPERTS, hidden=HIDDEN, inter=INTER)
     moe = moe_wrapper(EXPERTS, TOP_K, HIDDEN, INTER, method="GGUF", weight_path=str(path))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # ABOVE_THE_FILE's memory note
+        warnings.simplefilter("error", UserWarning)  # no note of memory or rounding
         moe.load_weights()
     return sum(sp.engine.packed_bytes() for sp in moe._subpools)
 
 
 @pytest.mark.parametrize("type_name", KNOWN_TYPES)
 def test_every_type_from_a_file_is_held_in_at_most_its_bytes(tmp_path, type_name):
-    """A layer read from a GGUF file (realistic blocks) holds at most the file's expert bytes, but
-    for ABOVE_THE_FILE (which this asserts are above: moving one out is a change to say); E4M3
+    """A layer read from a GGUF file (realistic blocks) holds at most the file's expert bytes; E4M3
     layouts (MXFP4's, NVFP4's blocks) add their fp32 per matrix, as NVFP4's per-tensor scalars."""
     held = held_from_a_file(tmp_path / "model.gguf", type_name)
     matrix_factors = 4 * EXPERTS * len(NAMES) if BLOCK_TYPES[type_name].factored is None else 0
-    if type_name in ABOVE_THE_FILE:
-        assert held > file_bytes(type_name)
-    else:
-        assert held <= file_bytes(type_name) + matrix_factors
+    assert held <= file_bytes(type_name) + matrix_factors
 
 
-#: The ggml types whose values span 32 or 64 integers: held in 5- or 6-bit value planes (kernels.h).
-PLANAR = {"Q6_K": 6, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5}
+#: The ggml types whose values span 4, 8, 32 or 64 integers: held in value planes of 2, 3, 5 or 6 bits
+#: (kernels.h).
+PLANAR = {"Q2_K": 2, "Q3_K": 3, "Q6_K": 6, "Q5_K": 5, "Q5_0": 5, "Q5_1": 5}
 
 
 @pytest.mark.parametrize("type_name", PLANAR)
-def test_five_and_six_bit_types_are_held_in_value_planes_exactly(tmp_path, type_name):
-    """Q6_K's values (-32..31) in 6 bits, Q5_K's, Q5_0's and Q5_1's in 5: 0.75 and 0.625 bytes per
-    weight where bytes took 1 (packed_bytes() counts them), a forward within the bound of fp64 (from
-    a file, and from tensors), and the write-back (MoEEngine.unpack) giving back the canonical tensors
-    bit for bit."""
+def test_planar_types_are_held_in_value_planes_exactly(tmp_path, type_name):
+    """Q6_K's values (-32..31) in 6 bits, Q5_K's, Q5_0's and Q5_1's in 5, Q3_K's (-4..3) in 3 and
+    Q2_K's (0..3) in 2, where bytes took 1 (packed_bytes() counts them), a forward within the bound
+    of fp64 (from a file, and from tensors), and the write-back (MoEEngine.unpack) giving back the
+    canonical tensors bit for bit."""
     block, bits = BLOCK_TYPES[type_name], PLANAR[type_name]
     assert block.held_bits == bits
     error = run_layer(tmp_path, dict.fromkeys(NAMES, type_name), HIDDEN, INTER, 5)

@@ -233,16 +233,19 @@ def in_window(t: tuple[torch.Tensor, torch.Tensor], lowest: int, span: int, g: t
 
 
 def plane_bits(span: int, group: int) -> int:
-    """The bits the engine holds values of `span` consecutive integers in (more than 16)."""
+    """The bits the engine holds values of `span` consecutive integers in (none of its level sets)."""
+    if span <= 8:
+        return 2 if span <= 4 else 3
     return 5 if span <= 32 and group % 32 == 0 else 6 if span <= 64 else 8
 
 
-@pytest.mark.parametrize("span", [32, 33, 64, 65])
+@pytest.mark.parametrize("span", [4, 5, 8, 9, 32, 33, 64, 65])
 @pytest.mark.parametrize("end", ["-128 up", "127 down"])
-def test_values_of_32_or_64_integers_are_held_in_value_planes(span, end):
-    """Values within 32 integers are held in 5-bit planes (where a scale group is whole 32s; else 6),
-    within 64 in 6-bit planes, any more as bytes: the int8 range's ends included, the forward within
-    the bound, the values and pairs written back as loaded."""
+def test_values_of_a_few_integers_are_held_in_value_planes(span, end):
+    """Values within 4 or 8 integers are held in 2- or 3-bit planes, within 32 in 5-bit planes (where
+    a scale group is whole 32s; else 6), within 64 in 6-bit planes, any more as bytes: the int8
+    range's ends included, the forward within the bound, the values and pairs written back as
+    loaded."""
     g = torch.Generator().manual_seed(span)
     lowest = -128 if end == "-128 up" else 128 - span
     tensors = [in_window(t, lowest, span, g) for t in problem((32, 16), True, seed=10)]

@@ -118,8 +118,8 @@ struct PackedGroups {
   size_t group_zero_bytes = 0;
   // GGUF held as 4-bit indices: the 16 levels they index, each + 128 (u8; 16-byte aligned); else null.
   const int8_t* levels = nullptr;
-  // GGUF's values in 5 or 6 bits (value planes, below) and the byte added to each (the lowest value
-  // + 128); 8 in the other layouts.
+  // GGUF's values in 2, 3, 5 or 6 bits (value planes, below) and the byte added to each (the lowest
+  // value + 128); 8 in the other layouts.
   int value_bits = 8;
   uint8_t value_offset = 0;
   // GGUF's scales factored, and whether it holds mins (above); fp16 unfactored entries, fp16 factors,
@@ -189,17 +189,18 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 // compute each scale and min):
 // Values: the INT8 layout above (q + 128); or, where every value of the projection is one of 16
 // levels (the 4-bit and smaller ggml types), 4-bit indices into them in the INT4 layout, the levels
-// + 128 in PackedGroups::levels; or, where every value lies in [lowest, lowest + 2^b) with b = 6, or
-// b = 5 where the scale group is a multiple of 32 (Q6_K, Q5_K, Q5_0, Q5_1), value planes
-// (PackedGroups::value_bits b, value_offset lowest + 128): v = q - lowest, its low 4 bits as the INT4
-// layout's nibbles and its b - 4 high bits (h of them) in a plane. Per group, per unit of
-// L = 4 / h octets (6 bits: 16 inputs, 5 bits: 32), L nibble lines then one plane line, 64 bytes
-// each: (L + 1) * 64 bytes per 8 L inputs of 16 rows. Plane line, row r's word at bytes 4r..4r+3:
-// the high bits of the value whose nibble lies in byte i of row r's word in half n (0: low nibbles,
-// 1: high) of nibble line l (inputs 8l + 4n + i of the unit) at bits p..p+h-1 of byte i,
-// p = h (2l + n). Shifted by 4 - p (within a 32-bit word), masked to bits 4..3+h of each byte and
-// or-ed with the masked nibbles, they make the bytes v of an INT8-layout quad; the kernels multiply
-// v as it is and start each scale group's sum at lowest * sum(x), not -128 * sum(x).
+// + 128 in PackedGroups::levels; or, where every value lies in [lowest, lowest + 2^b), value planes
+// of b bits (PackedGroups::value_bits b, value_offset lowest + 128): b = 2 or 3 where the values
+// span at most 4 or 8 integers (Q2_K, Q3_K; ahead of the levels), else b = 6, or b = 5 where the
+// scale group is a multiple of 32 (Q6_K, Q5_K, Q5_0, Q5_1). A value v = q - lowest is held as its
+// low bits (b = 5, 6: 4, the INT4 layout's nibbles; b = 2, 3: 2, crumbs) and its h = b - 4 or b - 2
+// high bits in a plane. Per group, per unit (6 bits: 16 inputs; else 32), its low lines (4 / h
+// nibble lines, or 2 crumb lines) then, where h > 0, one plane line, 64 bytes each: b bits per
+// weight. Quad q of a unit (inputs 4q..4q+3 in bytes 0..3 of each row's word, row r at bytes
+// 4r..4r+3): low bits in nibble line q / 2 at bit 4 (q % 2) of each byte, or in crumb line q / 4 at
+// bit 2 (q % 4); high bits in the plane line at bits p..p+h-1 of the byte, p = h q. Shifted into
+// place, masked and or-ed, they make the bytes v of an INT8-layout quad; the kernels multiply v as
+// it is and start each scale group's sum at lowest * sum(x), not -128 * sum(x).
 // Scales and mins: each entry is 16 rows' scales or 16 rows' mins (row r the r-th value). The
 // kernels start a scale group's integer sum at -128 * sum(x), the offset, and multiply the min
 // entry by that start times -1/128 (sum(x), exact: a power of two): one fp32 FMA. Where every min
@@ -211,9 +212,10 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 //   kGgufBlockInputs inputs is an integer multiple of one factor (exactly: found and checked at
 //   load), and so is every min; scale = multiple * factor. The factors are fp32, or fp16 where
 //   every one is (half_factors); the multiples int8 (multiple_bits 8), or, where every multiple of
-//   the projection is in 0..63 (Q4_K's, Q5_K's, Q2_K's) or -32..31 (IQ4_XS's, Q3_K's), 6 bits
-//   (multiple_bits 6): multiple + multiple_bias (0 or 32), row r at bits 6r..6r+5 of the entry's
-//   12 bytes (little-endian). Two orders:
+//   the projection is in 0..15 (Q2_K's), 4 bits (multiple_bits 4: row r at bits 4r..4r+3 of the
+//   entry's 8 bytes), or where each is in 0..63 (Q4_K's, Q5_K's) or -32..31 (IQ4_XS's, Q3_K's), 6
+//   bits (multiple_bits 6): multiple + multiple_bias (0 or 32), row r at bits 6r..6r+5 of the
+//   entry's 12 bytes (little-endian). Two orders:
 //     fp32 factors and int8 multiples: first, per block of kGgufBlockInputs inputs, the fp32
 //     entries of those factors; then, per scale group s, the entries of int8 multiples; the group
 //     padded to whole 64-byte lines (aligned factors);
@@ -225,12 +227,18 @@ constexpr int kInt8Offset = 128, kInt4Offset = 8;
 //   PackedGroups::scale_factor (PackedProjection::factors), applied to the outputs: the file's bytes.
 // So per 256 inputs of a row: Q4_0, IQ4_NL 128 + 16 bytes, Q8_0 256 + 16, Q4_1 128 + 32 (fp16
 // entries); Q4_K 128 + 12 + 4, Q5_K 256 + 12 + 4, IQ4_XS 128 + 6 + 2 (6-bit multiples, fp16
-// factors); Q6_K 256 + 16 + 2 (int8 multiples, fp16 factors): the scales in no more than the file's.
+// factors); Q6_K 256 + 16 + 2 (int8 multiples, fp16 factors); Q3_K 96 + 12 + 2 (3-bit planes, 6-bit
+// multiples); Q2_K 64 + 16 + 4 (2-bit planes, 4-bit multiples): no more than the file's.
 constexpr int kLevels = 16;
 constexpr int kGgufBlockInputs = 256;
 inline size_t indexed_group_bytes(int k) { return size_t(k / 2) * kGroupRows; }
-// Value planes of `bits` (5 or 6) bits: the nibble lines of a unit, then its plane line (k: whole units).
-constexpr int plane_lines(int bits) { return 4 / (bits - 4); }
+// Value planes of `bits` (2, 3, 5 or 6) bits: a value's low bits (nibbles or crumbs) and high bits, a
+// unit's low lines, all its lines (the plane line last, where there are high bits) and its inputs.
+constexpr int plane_low_bits(int bits) { return bits > 4 ? 4 : 2; }
+constexpr int plane_high_bits(int bits) { return bits - plane_low_bits(bits); }
+constexpr int plane_lines(int bits) { return bits > 4 ? 4 / plane_high_bits(bits) : 2; }
+constexpr int unit_lines(int bits) { return plane_lines(bits) + (plane_high_bits(bits) > 0 ? 1 : 0); }
+constexpr int unit_inputs(int bits) { return plane_lines(bits) * 32 / plane_low_bits(bits); }
 inline size_t planar_group_bytes(int k, int bits) { return size_t(k) * bits / 8 * kGroupRows; }
 // Entries per scale group: a scale, and a min unless they are left out.
 constexpr int gguf_entries(bool mins) { return mins ? 2 : 1; }

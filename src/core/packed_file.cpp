@@ -256,13 +256,14 @@ std::string check_projection(const ProjectionEntry& e, int p, const MoEShape& sh
     held->multiple_bias = e.multiple_bias;
     std::memcpy(held->levels.data(), e.levels, kLevels);
     // Planes: levels[0] alone (their offset).
-    const bool planes = e.value_bits == 5 || e.value_bits == 6;
+    const bool planes = e.value_bits == 2 || e.value_bits == 3 || e.value_bits == 5 || e.value_bits == 6;
     if ((e.value_bits != 8 && e.value_bits != 4 && !planes) || e.indexed != (e.value_bits == 4) ||
         (planes && std::any_of(e.levels + 1, e.levels + kLevels, [](int8_t l) { return l != 0; })) ||
         (e.value_bits == 5 && e.scale_group % 32 != 0))
       return what + "a value layout the format lacks";
     const bool six = e.multiple_bits == 6 && (e.multiple_bias == 0 || e.multiple_bias == 32);
-    if (e.half > 3 || !(six || (e.multiple_bits == 8 && e.multiple_bias == 0)))
+    const bool unbiased = (e.multiple_bits == 4 || e.multiple_bits == 8) && e.multiple_bias == 0;
+    if (e.half > 3 || !(six || unbiased))
       return what + "a scale layout the format lacks";
   } else {
     static const int8_t none[kLevels] = {};

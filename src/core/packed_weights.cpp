@@ -96,7 +96,7 @@ PackedGroups PackedProjection::groups(int expert, int first, int count) const {
     groups.group_zero_bytes = group_scale_bytes;
   }
   if (held.value_bits == 4) groups.levels = held.levels.data();
-  if (held.value_bits == 5 || held.value_bits == 6) groups.value_offset = uint8_t(held.levels[0]);
+  if (held.value_bits != 4 && held.value_bits != 8) groups.value_offset = uint8_t(held.levels[0]);
   groups.value_bits = held.value_bits;
   groups.factored_scales = held.factored_scales;
   groups.mins = held.mins;

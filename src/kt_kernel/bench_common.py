@@ -45,8 +45,8 @@ def routing(tokens: int, experts: int, top_k: int, generator):
 class GgufBenchKind:
     """How the bench makes a GGUF projection: ``bits``-bit values per ``group`` inputs, unsigned with
     a min per group where ``mins`` (as Q4_K), else signed; the scales (and mins) small integers
-    times one fp16 per 256 inputs where ``factored`` (as the K-quants), of ``multiple_bits`` (6: up
-    to 63, as Q4_K's, held as 6-bit multiples; 8: up to 127, as Q6_K's int8 scales), else float32
+    times one fp16 per 256 inputs where ``factored`` (as the K-quants), of ``multiple_bits`` (4 or 6:
+    up to 15 or 63, as Q2_K's or Q4_K's, held so; 8: up to 127, as Q6_K's int8 scales), else float32
     (held so)."""
 
     group: int
@@ -69,8 +69,8 @@ class GgufBenchKind:
 
     @classmethod
     def of_type(cls, type_name: str) -> GgufBenchKind:
-        """The kind a ggml type runs as (BLOCK_TYPES): its group, its held bits (4: indices, 5 or 6:
-        value planes, 8: bytes), its mins, its scales factored where the type's always are."""
+        """The kind a ggml type runs as (BLOCK_TYPES): its group, its held bits (4: indices, 2, 3, 5
+        or 6: value planes, 8: bytes), its mins, its scales factored where the type's always are."""
         block = BLOCK_TYPES[type_name.upper()]
         return cls(block.group, block.held_bits, block.mins, bool(block.factored), block.multiple_bits)
 
@@ -168,7 +168,7 @@ def gguf_bench_tensor(weight, kind: GgufBenchKind):
         minimum = torch.zeros(blocks.shape[:-1])
         scale = blocks.abs().amax(dim=-1) / high
     if kind.factored:
-        top = 127 if kind.multiple_bits == 8 else 63
+        top = 127 if kind.multiple_bits == 8 else 2**kind.multiple_bits - 1
         scale = _factored(scale, kind.group, top)
         if kind.mins:  # a file's min is -(dmin * m): a 0 multiple is -0.0, as a negative factor gives back
             minimum = -_factored(0.0 - minimum, kind.group, top)

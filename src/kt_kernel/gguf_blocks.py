@@ -37,10 +37,10 @@ Converted = tuple[np.ndarray, np.ndarray]  # int8 [M, block_inputs], float32 [M,
 class BlockType:
     """One ggml type: its block (inputs and bytes, as ggml's GGML_QUANT_SIZES), the inputs per
     (scale, min) pair, the function from blocks to (values, pairs), and how the engine holds it
-    (src/core/kernels.h): a value in ``held_bits`` (4 where the values are at most 16 levels: the
-    engine indexes them; 5 or 6 where they span 32 or 64 integers: value planes); a min only where
-    the type has them (``mins``); the scales ``factored``, as multiples of ``multiple_bits`` (6 where
-    the type's are 6-bit or smaller, else 8) of one fp16 per 256 inputs, where the type's scales are
+    (src/core/kernels.h): a value in ``held_bits`` (2, 3, 5 or 6 where the values span 4, 8, 32 or 64
+    integers: value planes; else 4 where they are at most 16 levels: the engine indexes them); a min
+    only where the type has them (``mins``); the scales ``factored``, as multiples of
+    ``multiple_bits`` (the type's 4 or 6 bits, else 8) of one fp16 per 256 inputs, where the type's scales are
     small integers times one fp16 per block (None: where the data allows, which the engine checks at
     load); else each scale and min an fp16 where ``half`` (the type's are), else a float32. The
     engine checks each choice on the data at load and falls back to float32 where it is not exact (a
@@ -80,10 +80,10 @@ def held_bytes_per_weight(
 
 def held_value_bits(bits: int, group: int) -> int:
     """The bits the engine holds values of ``bits`` bits in, with ``group`` inputs per scale
-    (src/core/formats/gguf.cpp, where the data does not take fewer): 4-bit indices, 5-bit planes where
-    a group is whole 32s (else 6), 6-bit planes, else bytes."""
+    (src/core/formats/gguf.cpp, where the data does not take fewer): 2 or 3-bit planes, 4-bit indices,
+    5-bit planes where a group is whole 32s (else 6), 6-bit planes, else bytes."""
     if bits <= 4:
-        return 4
+        return max(bits, 2)
     if bits == 5 and group % 32 == 0:
         return 5
     return 6 if bits <= 6 else 8
@@ -254,8 +254,8 @@ BLOCK_TYPES: dict[str, BlockType] = {
     "Q4_1": BlockType(32, 20, 32, _q4_1, held_bits=4, mins=True),
     "Q5_0": BlockType(32, 22, 32, _q5_0, held_bits=5),
     "Q5_1": BlockType(32, 24, 32, _q5_1, held_bits=5, mins=True),
-    "Q2_K": BlockType(256, 84, 16, _q2_k, held_bits=4, mins=True, factored=True, multiple_bits=6),
-    "Q3_K": BlockType(256, 110, 16, _q3_k, held_bits=4, factored=True, multiple_bits=6),
+    "Q2_K": BlockType(256, 84, 16, _q2_k, held_bits=2, mins=True, factored=True, multiple_bits=4),
+    "Q3_K": BlockType(256, 110, 16, _q3_k, held_bits=3, factored=True, multiple_bits=6),
     "Q4_K": BlockType(256, 144, 32, _q4_k, held_bits=4, mins=True, factored=True, multiple_bits=6),
     "Q5_K": BlockType(256, 176, 32, _q5_k, held_bits=5, mins=True, factored=True, multiple_bits=6),
     "Q6_K": BlockType(256, 210, 16, _q6_k, held_bits=6, factored=True),

@@ -357,7 +357,6 @@ class GGUFLayerReader:
                 f"is {quantized[0].type_name}, a quantized type: read it with method={GGUF_FORMAT!r}"
             )
         if quantized:
-            self._warn_of_memory(quantized)
             return GGUF_FORMAT
         rounded = [f"{t.name!r} ({t.type_name})" for t in floats if t.type_name != "BF16"]
         if rounded:
@@ -367,31 +366,6 @@ class GGUFLayerReader:
                 stacklevel=3,
             )
         return FLOAT_FORMAT
-
-    def _warn_of_memory(self, tensors: list[_ExpertTensor]) -> None:
-        """The engine holds every quantized type exactly, most in no more than the file's bytes
-        (BlockType.held_bytes_per_weight); the types of fewer than 4 bits take 4-bit indices, more:
-        said where the layer's types take more than their file, once per file and set of types (the
-        text is the same for every layer)."""
-        held = stored = 0.0
-        for t in tensors:
-            block = BLOCK_TYPES[t.type_name]
-            stored += block.block_bytes / block.block_inputs
-            # MXFP4's and NVFP4's blocks: held as their E4M3 bytes where the scales allow, as real ones do.
-            held += (
-                block.held_bytes_per_weight()
-                if block.factored is not None
-                else block.block_bytes / block.block_inputs
-            )
-        if held <= stored:
-            return
-        types = "/".join(dict.fromkeys(t.type_name for t in tensors))
-        warnings.warn(
-            f"{self.model.where}: {types} experts are held exactly in more memory than the file's blocks: "
-            f"about {held / len(tensors):.2f} bytes per weight, {held / stored:.1f}x the file's "
-            f"{stored / len(tensors):.2f}",
-            stacklevel=4,
-        )
 
     def _bias(self, projection: str) -> np.ndarray | None:
         """gpt-oss's expert biases ``[E, N]``, where the layer has them."""

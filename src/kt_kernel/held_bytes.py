@@ -55,8 +55,8 @@ _GROUP_BYTES: dict[str, Callable[[int, int], tuple[int, int]]] = {
 @dataclass(frozen=True)
 class GgufLayout:
     """How the engine holds a GGUF projection (HeldLayout, kernels.h): values in ``value_bits`` bits
-    (8: bytes; 4: indices into 16 levels; 5 or 6: value planes, where they span 32 or 64 integers);
-    scales as fp32 or fp16 (``half_scales``), or factored (int8 or 6-bit multiples of an fp32 or
+    (8: bytes; 4: indices into 16 levels; 2, 3, 5 or 6: value planes, where they span 4, 8, 32 or 64
+    integers); scales as fp32 or fp16 (``half_scales``), or factored (int8, 6 or 4-bit multiples of an fp32 or
     fp16 factor per 256 inputs); the min entries left out where every min is 0. The engine chooses
     by the data at load."""
 
@@ -67,7 +67,7 @@ class GgufLayout:
     e4m3: bool = False
     #: Unfactored: fp16 scales and mins.
     half_scales: bool = False
-    #: Factored: fp16 factors, and the bits of a multiple (8 or 6).
+    #: Factored: fp16 factors, and the bits of a multiple (8, 6 or 4).
     half_factors: bool = False
     multiple_bits: int = 8
 

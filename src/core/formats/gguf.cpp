@@ -1,7 +1,8 @@
 // GGUF: llama.cpp's integer block types as int8 values with an fp32 scale and min per 16 or 32
 // inputs (w = q * scale + min), held as the data allows (HeldLayout; the layouts: kernels.h):
-// values as bytes (q + 128), 4-bit indices into 16 levels or 5 / 6-bit planes, scales as fp32 or
-// fp16, or factored (int8 or 6-bit multiples of fp32 or fp16 factors), mins left out where all are 0.
+// values as bytes (q + 128), 4-bit indices into 16 levels or 2, 3, 5 or 6-bit planes, scales as fp32
+// or fp16, or factored (int8, 6 or 4-bit multiples of fp32 or fp16 factors), mins left out where all
+// are 0.
 // Every choice is exact, checked on the data at load.
 #include <algorithm>
 #include <bit>
@@ -63,18 +64,19 @@ float float_at(const uint8_t* floats, int index) {
   return f;
 }
 
-// The 6-bit field `index` of a bit string (kernels.h: row r of an entry at bits 6r..6r+5).
-int six_bits_at(const uint8_t* bytes, int index) {
-  const int bit = 6 * index, shift = bit % 8;
+// The field `index` of `bits` (4 or 6) bits of a bit string (kernels.h: row r of an entry at bits
+// bits * r onwards).
+int field_at(const uint8_t* bytes, int index, int bits) {
+  const int bit = bits * index, shift = bit % 8;
   int v = bytes[bit / 8] >> shift;
-  if (shift > 2) v |= bytes[bit / 8 + 1] << (8 - shift);
-  return v & 63;
+  if (shift + bits > 8) v |= bytes[bit / 8 + 1] << (8 - shift);
+  return v & ((1 << bits) - 1);
 }
 
-void set_six_bits(uint8_t* bytes, int index, int value) {  // the bytes start zeroed
-  const int bit = 6 * index, shift = bit % 8;
+void set_field(uint8_t* bytes, int index, int bits, int value) {  // the bytes start zeroed
+  const int bit = bits * index, shift = bit % 8;
   bytes[bit / 8] = uint8_t(bytes[bit / 8] | value << shift);
-  if (shift > 2) bytes[bit / 8 + 1] = uint8_t(bytes[bit / 8 + 1] | value >> (8 - shift));
+  if (shift + bits > 8) bytes[bit / 8 + 1] = uint8_t(bytes[bit / 8 + 1] | value >> (8 - shift));
 }
 
 // The multiples a factoring may use, lo..hi, and whether its factors are fp16.
@@ -82,21 +84,23 @@ struct Factoring {
   int lo, hi;
   bool half;
 };
-// Tried in turn for a whole projection: the fewest bytes first (kernels.h). 0..63: Q4_K's, Q5_K's
-// and Q2_K's scales and mins; -32..31: IQ4_XS's and Q3_K's scales (ls - 32); int8: Q6_K's.
-constexpr Factoring kFactorings[] = {{0, 63, true},  {-32, 31, true},  {-128, 127, true},
-                                     {0, 63, false}, {-32, 31, false}, {-128, 127, false}};
+// Tried in turn for a whole projection: the fewest bytes first (kernels.h). 0..15: Q2_K's scales and
+// mins; 0..63: Q4_K's and Q5_K's; -32..31: IQ4_XS's and Q3_K's scales (ls - 32); int8: Q6_K's.
+constexpr Factoring kFactorings[] = {{0, 15, true},    {0, 15, false},  {0, 63, true},
+                                     {-32, 31, true},  {-128, 127, true}, {0, 63, false},
+                                     {-32, 31, false}, {-128, 127, false}};
 
 Factoring factoring_of(const HeldLayout& layout) {
   if (layout.multiple_bits == 8) return {-128, 127, layout.half_factors};
-  return {-layout.multiple_bias, 63 - layout.multiple_bias, layout.half_factors};
+  const int lo = -layout.multiple_bias;
+  return {lo, lo + (1 << layout.multiple_bits) - 1, layout.half_factors};
 }
 
 void set_factoring(HeldLayout& layout, const Factoring& f) {
   layout.factored_scales = true;
   layout.half_factors = f.half;
-  layout.multiple_bits = f.hi - f.lo == 63 ? 6 : 8;
-  layout.multiple_bias = uint8_t(f.hi - f.lo == 63 ? -f.lo : 0);
+  layout.multiple_bits = uint8_t(std::bit_width(unsigned(f.hi - f.lo)));  // 4, 6 or 8
+  layout.multiple_bias = uint8_t(layout.multiple_bits == 8 ? 0 : -f.lo);
 }
 
 bool levels_of(const int8_t* values, size_t count, int8_t* levels) {
@@ -292,9 +296,10 @@ bool e4m3_scales(const CanonicalMatrices& m) {
 
 int lowest_of(const HeldLayout& layout) { return int(uint8_t(layout.levels[0])) - kInt8Offset; }
 
-// The planes' bits (5 or 6) that hold `count` values, and their lowest value into levels[0] (+ 128);
-// 8 where they span more than 64. 5 bits only where a scale group is whole units of 32 inputs (the
-// kernels take a unit's plane line inside one scale group).
+// The planes' bits (2, 3, 5 or 6) that hold `count` values, and their lowest value into levels[0]
+// (+ 128); 8 where they span more than 64. 5 bits only where a scale group is whole units of 32
+// inputs (the kernels take a unit's plane line inside one scale group; 3 bits: two 16-input scale
+// groups share one).
 uint8_t plane_bits_of(const int8_t* values, size_t count, int scale_group, int8_t* levels) {
   int lowest = 127, highest = -128;
   for (size_t i = 0; i < count; ++i) {
@@ -302,7 +307,11 @@ uint8_t plane_bits_of(const int8_t* values, size_t count, int scale_group, int8_
     highest = std::max<int>(highest, values[i]);
   }
   const int span = highest - lowest + 1;
-  const uint8_t bits = span <= 32 && scale_group % 32 == 0 ? 5 : span <= 64 ? 6 : 8;
+  const uint8_t bits = span <= 4                              ? 2
+                       : span <= 8                            ? 3
+                       : span <= 32 && scale_group % 32 == 0 ? 5
+                       : span <= 64                           ? 6
+                                                              : 8;
   if (bits != 8) levels[0] = int8_t(uint8_t(lowest + kInt8Offset));
   return bits;
 }
@@ -314,21 +323,21 @@ bool within_planes(const HeldLayout& layout, const int8_t* values, size_t count)
   return all;
 }
 
-// Row r of a group as value planes (kernels.h): per unit, its nibble lines' words and its plane word.
+// Row r of a group as value planes (kernels.h): per unit, its low lines' words and its plane word.
 void pack_planar_row(const int8_t* row, int k, int r, int bits, int lowest, uint8_t* group) {
-  const int lines = plane_lines(bits), high_bits = bits - 4;
-  for (int u = 0; u * 8 * lines < k; ++u) {
-    uint8_t* unit = group + size_t(u) * (lines + 1) * 64 + 4 * r;
-    uint32_t plane = 0;
-    for (int l = 0; l < lines; ++l) {
-      const int8_t* octet = row + (u * lines + l) * 8;
+  const int low_bits = plane_low_bits(bits), high_bits = plane_high_bits(bits), per_unit = unit_inputs(bits);
+  const int quads_per_line = 8 / low_bits, lines = plane_lines(bits);
+  for (int u = 0; u * per_unit < k; ++u) {
+    uint32_t words[4] = {}, plane = 0;
+    for (int q = 0; q < per_unit / 4; ++q)
       for (int i = 0; i < 4; ++i) {
-        const uint32_t low = uint8_t(octet[i] - lowest), high = uint8_t(octet[4 + i] - lowest);
-        unit[l * 64 + i] = uint8_t((low & 0xF) | (high & 0xF) << 4);
-        plane |= (low >> 4) << (8 * i + high_bits * 2 * l) | (high >> 4) << (8 * i + high_bits * (2 * l + 1));
+        const uint32_t v = uint8_t(row[u * per_unit + 4 * q + i] - lowest);
+        words[q / quads_per_line] |= (v & ((1u << low_bits) - 1)) << (8 * i + low_bits * (q % quads_per_line));
+        plane |= (v >> low_bits) << (8 * i + high_bits * q);
       }
-    }
-    for (int i = 0; i < 4; ++i) unit[lines * 64 + i] = uint8_t(plane >> 8 * i);
+    uint8_t* unit = group + size_t(u) * unit_lines(bits) * 64 + 4 * r;
+    for (int l = 0; l < lines; ++l) std::memcpy(unit + l * 64, &words[l], 4);
+    if (high_bits > 0) std::memcpy(unit + lines * 64, &plane, 4);
   }
 }
 
@@ -344,9 +353,10 @@ HeldLayout layout_of(const CanonicalMatrices& m) {
   const size_t rows = m.count * m.rows;
   const float* pairs = reinterpret_cast<const float*>(m.scales);
   const int8_t* values = reinterpret_cast<const int8_t*>(m.values);
-  layout.value_bits = levels_of(values, rows * m.k, layout.levels.data())
-                          ? 4
-                          : plane_bits_of(values, rows * m.k, m.scale_group, layout.levels.data());
+  // Planes of 2 or 3 bits ahead of 16 levels (4 bits), those ahead of wider planes.
+  const uint8_t plane_bits = plane_bits_of(values, rows * m.k, m.scale_group, layout.levels.data());
+  const bool levels = plane_bits > 3 && levels_of(values, rows * m.k, layout.levels.data());
+  layout.value_bits = levels ? 4 : plane_bits;
   layout.mins = has_mins(pairs, rows * (m.k / m.scale_group));
   layout.e4m3_scales = !layout.mins && e4m3_scales(m);
   if (layout.e4m3_scales) return layout;
@@ -431,7 +441,7 @@ void pack_scales(const HeldLayout& layout, const float* pairs, int rows, int k, 
                      if (layout.multiple_bits == 8)
                        multiples[at] = uint8_t(block_multiples[i]);
                      else
-                       set_six_bits(multiples, at, block_multiples[i] + layout.multiple_bias);
+                       set_field(multiples, at, layout.multiple_bits, block_multiples[i] + layout.multiple_bias);
                    }
                    return true;
                  });
@@ -480,7 +490,8 @@ float packed_entry(const PackedGroups& w, const uint8_t* group_scales, int r, in
   const int at = gguf_entry_index(s, entry, w.mins) + r;
   if (!w.factored_scales) return w.half_scales ? half_at(group_scales, at) : float_at(group_scales, at);
   const uint8_t* multiples = group_scales + w.multiples_at;
-  const int multiple = w.multiple_bits == 8 ? int(int8_t(multiples[at])) : six_bits_at(multiples, at) - w.multiple_bias;
+  const int multiple =
+      w.multiple_bits == 8 ? int(int8_t(multiples[at])) : field_at(multiples, at, w.multiple_bits) - w.multiple_bias;
   const uint8_t* factors = group_scales + w.factors_at;
   const int f = gguf_factor_index(s, entry, w.scale_group, w.mins) + r;
   return float(multiple) * (w.half_factors ? half_at(factors, f) : float_at(factors, f));
@@ -498,11 +509,11 @@ void unpack(const PackedGroups& w, const UnpackRegion& region) {
         dst[c] = uint8_t(w.levels[index] - kInt8Offset);
       }
     } else if (w.value_bits != 8) {
-      const int high_mask = (1 << (w.value_bits - 4)) - 1;
+      const int low_bits = plane_low_bits(w.value_bits), high_bits = plane_high_bits(w.value_bits);
       for (int c = 0; c < region.cols; ++c) {
         const PlanarPosition at = planar_position(region.k0 + c, r, w.value_bits);
-        const int v = ((group[at.nibble] >> nibble_shift(region.k0 + c)) & 0xF) |
-                      ((group[at.plane] >> at.plane_shift) & high_mask) << 4;
+        int v = (group[at.low] >> at.low_shift) & ((1 << low_bits) - 1);
+        if (high_bits > 0) v |= ((group[at.plane] >> at.plane_shift) & ((1 << high_bits) - 1)) << low_bits;
         dst[c] = uint8_t(v + w.value_offset - kInt8Offset);
       }
     } else {

@@ -16,17 +16,18 @@ inline size_t int8_position(int c, int r) { return size_t(c / 4) * 64 + 4 * r + 
 inline size_t nibble_position(int c, int r) { return size_t(c / 8) * 64 + 4 * r + c % 4; }
 inline int nibble_shift(int c) { return 4 * ((c % 8) / 4); }
 
-// GGUF's value planes of `bits` bits (kernels.h): the byte holding input c's nibble (at nibble_shift)
-// and the byte of its plane line holding its high bits, and their first bit there.
+// GGUF's value planes of `bits` bits (kernels.h): the byte holding input c's low bits and their
+// shift there, and the byte of its plane line holding its high bits and their first bit there.
 struct PlanarPosition {
-  size_t nibble, plane;
-  int plane_shift;
+  size_t low, plane;
+  int low_shift, plane_shift;
 };
 inline PlanarPosition planar_position(int c, int r, int bits) {
-  const int lines = plane_lines(bits), octet = c / 8, l = octet % lines;
-  const size_t unit = size_t(octet / lines) * (lines + 1) * 64;
-  return {unit + size_t(l) * 64 + 4 * r + c % 4, unit + size_t(lines) * 64 + 4 * r + c % 4,
-          (bits - 4) * (2 * l + (c % 8) / 4)};
+  const int per_unit = unit_inputs(bits), quad = c % per_unit / 4, low_bits = plane_low_bits(bits);
+  const int quads_per_line = 8 / low_bits;
+  const size_t unit = size_t(c / per_unit) * unit_lines(bits) * 64 + 4 * r + c % 4;
+  return {unit + size_t(quad / quads_per_line) * 64, unit + size_t(plane_lines(bits)) * 64,
+          low_bits * (quad % quads_per_line), plane_high_bits(bits) * quad};
 }
 
 inline void pack_int8_row(const int8_t* q, int k, int r, uint8_t* group) {
