@@ -208,7 +208,8 @@ class Source:
 
 
 # nvfp4: held as GGUF with E4M3 scale bytes and a factor per matrix, each expert's its own.
-CASES = [*formats.FORMATS, "gguf-k-quants", "gptq-zero-points", "gpt-oss-biases", "nvfp4"]
+# gguf-low-bits: 2- and 3-bit value planes, 4- and 6-bit (biased) multiples.
+CASES = [*formats.FORMATS, "gguf-k-quants", "gguf-low-bits", "gptq-zero-points", "gpt-oss-biases", "nvfp4"]
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +229,9 @@ def sources(tmp_path_factory):
         elif case == "gguf-k-quants":
             write_gguf(root / "model.gguf", {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"})
             made[case] = Source(root / "model.gguf", "GGUF", (4, 2, 512, 256))
+        elif case == "gguf-low-bits":
+            write_gguf(root / "model.gguf", {"gate": "Q2_K", "up": "Q3_K", "down": "Q2_K"})
+            made[case] = Source(root / "model.gguf", "GGUF", (4, 2, 512, 256))
         elif case == "nvfp4":
             scales = [GLOBAL * (1 + e / 7) for e in range(8)]
             write_modelopt(root, nvfp4_weights(3), global_scales=scales)
@@ -244,7 +248,6 @@ def sources(tmp_path_factory):
     return get
 
 
-@pytest.mark.filterwarnings("ignore:.*experts are held exactly:UserWarning")  # the K-quants' memory note
 @pytest.mark.parametrize("pools", [1, 2], ids=["one-subpool", "two-subpools"])
 @pytest.mark.parametrize("case", CASES)
 def test_a_mapped_layer_computes_what_a_packed_one_does(tmp_path, sources, case, pools):
