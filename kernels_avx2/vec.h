@@ -123,14 +123,14 @@ struct Vec {
         _mm256_and_si256(_mm256_srlv_epi32(pairs, _mm256_setr_epi32(0, 6, 4, 2, 0, 6, 4, 2)), _mm256_set1_epi32(63));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(fields, _mm256_set1_epi32(bias)));
   }
-  // kLanes 4-bit fields (lane i at bits 4i..4i+3 of the 4 bytes) -> fp32: the low and high nibbles
-  // interleaved into bytes.
+  // kLanes 4-bit fields (lane i at bits 4i..4i+3 of the 4 bytes) -> fp32: the word in every lane,
+  // each lane shifted by its own offset, masked.
   static Float four_bits_to_float(const uint8_t* bytes) {
     uint32_t word;
     std::memcpy(&word, bytes, sizeof(word));
-    const __m128i raw = _mm_cvtsi32_si128(int(word)), mask = _mm_set1_epi8(15);
-    const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles));
+    const __m256i offsets = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(int(word)), offsets);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(15)));
   }
   static Float e8m0_to_float(const uint8_t* scales) {
     const __m256i bits =

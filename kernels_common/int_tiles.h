@@ -311,11 +311,13 @@ bool pairs_fit(const PackedGroups& w) {
 }
 
 // The lines whose products a 4-bit tile gathers in one Dot::Partial: as many as its lanes hold,
-// within a step of value planes.
+// within a step of value planes, and one for crumbs (with two, GCC spilled ten ymm per step: avx2,
+// Q2_K, one token, 3 layer calls: 85.1 -> 83.2 M instructions, bench/one_layer.py).
 template <class Dot, class FourBit>
 constexpr int partial_lines() {
   const int lines = Dot::lines_per_partial(FourBit::kMaxValue);
-  return FourBit::kStepLines > 0 ? std::min(lines, FourBit::kStepLines) : lines;
+  if constexpr (FourBit::kStepLines > 0) return FourBit::kLowBits == 2 ? 1 : std::min(lines, FourBit::kStepLines);
+  return lines;
 }
 
 // Every loop over a tile's rows is unrolled (KT_UNROLL): where GCC 12 kept one rolled, it held the
@@ -428,7 +430,8 @@ struct IntTiles {
       static constexpr int kScaleBlock = 8;  // GGUF's scale groups decoded at a time
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
         // Value planes whose scale groups are one step each (Q6_K's, Q3_K's and Q2_K's 16 inputs,
-        // Q5_K's 32): the step loop known to run once (avx2, Q6_K, one token, 3 layer calls: 107.6 -> 100.9 M instructions).
+        // Q5_K's 32): the step loop known to run once (avx2, Q6_K, one token, 3 layer calls:
+        // 107.6 -> 100.9 M instructions).
         if constexpr (FourBit::kStepLines > 0)
           if (FourBit::inputs_per_scale(w) == 8 * kLinesPerStep) return steps<true>(x, w, y, y_stride);
         steps<false>(x, w, y, y_stride);
