@@ -103,7 +103,8 @@ struct Vec {
     const __m512i fields = _mm512_and_si512(_mm512_srlv_epi32(pairs, shifts), _mm512_set1_epi32(63));
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(fields, _mm512_set1_epi32(bias)));
   }
-  // kLanes 4-bit fields (lane i at bits 4i..4i+3 of the 8 bytes) -> fp32, as the AVX2 one.
+  // kLanes 4-bit fields (lane i at bits 4i..4i+3 of the 8 bytes) -> fp32: the low and high nibbles
+  // interleaved into bytes, widened.
   static Float four_bits_to_float(const uint8_t* bytes) {
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)), mask = _mm_set1_epi8(15);
     const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(raw, mask), _mm_and_si128(_mm_srli_epi16(raw, 4), mask));
