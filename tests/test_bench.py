@@ -73,6 +73,20 @@ def test_model_mode_json(tmp_path):
     assert "cache clearing 1 MiB read, gap 0.1 ms; co-runner on" in result.stdout
 
 
+def test_model_mode_rows_of_both_activation_modes(tmp_path):
+    """--activations int8 gives the model mode a row of the opt-in mode beside the exact one, each
+    from wrappers built with that int8_activations."""
+    out = tmp_path / "model.json"
+    modes = ("--activations", "exact", "int8")
+    result = run_bench(*TINY_STACK, "--format", "int4", "bf16", *modes, "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["model_rows"]
+    kinds = [(r["format"], r["activations"]) for r in rows]
+    assert kinds == [("int4", "exact"), ("int4", "int8"), ("bf16", "exact")]
+    assert "int4-i8act" in result.stdout
+    assert "-i8act: the opt-in int8_activations=True mode" in result.stdout
+
+
 def test_model_mode_deferral():
     result = run_bench(*TINY_STACK, "--deferred", "1")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -28,8 +28,10 @@ from .bench_common import (
     DECODE_MAX_TOKENS,
     NVFP4_ENTRY,
     SHAPES,
+    activations_label,
     build_label,
     call_inputs,
+    format_modes,
     format_of,
     load_bench_weights,
     method_of,
@@ -191,13 +193,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     label = build_label(kernels)
     rows: list[Row] = []
     baselines = sorted({torch_format(f) for f in args.format}) if args.torch else []
-    # The int8-activation mode exists for the formats that multiply in integers (all but bf16).
-    runs = [
-        (f, mode)
-        for f in args.format
-        for mode in args.activations
-        if mode != "int8" or format_of(f).quantized_activations
-    ]
+    runs = format_modes(args)
     steps = len(args.shape) * (len(runs) + len(baselines)) * len(args.tokens)
     step = 0
     for shape in args.shape:
@@ -281,7 +277,7 @@ def format_table(result: dict) -> str:
     for r in result["rows"]:
         lines.append(
             f"{r['variant']:<12} {r['shape']:<10} "
-            f"{r['format'] + ('-i8act' if r['activations'] == 'int8' else ''):<9} "
+            f"{activations_label(r['format'], r['activations']):<9} "
             f"{r['tokens']:>4} {r['median_ms']:>10.2f} "
             f"{r['p10_ms']:>7.2f}-{r['p90_ms']:<7.2f} {r['tokens_per_s']:>9.1f} "
             f"{r['held_bytes_per_weight']:>5.3f} {r['gbps']:>6.1f} "

@@ -355,10 +355,26 @@ def usage_error(message: str) -> int:
     return 2
 
 
+def format_modes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(format, activations mode) of every row kind: the int8-activation mode exists only for the
+    formats that multiply int8 activations (`quantized_activations` in the registry)."""
+    return [
+        (f, mode)
+        for f in args.format
+        for mode in args.activations
+        if mode != "int8" or format_of(f).quantized_activations
+    ]
+
+
+def activations_label(fmt: str, mode: str) -> str:
+    return fmt + ("-i8act" if mode == "int8" else "")
+
+
 def worker_command(args: argparse.Namespace, out: str) -> list[str]:
     command = [sys.executable, "-m", "kt_kernel", "bench", "--worker-json", out,
                "--format", *args.format, "--tokens", *map(str, args.tokens), "--threads", str(args.threads),
-               "--calls", str(args.calls), "--row-seconds", str(args.row_seconds)]  # fmt: skip
+               "--calls", str(args.calls), "--row-seconds", str(args.row_seconds),
+               "--activations", *args.activations]  # fmt: skip
     if args.model:
         command += ["--model", args.model, "--layers", str(args.layers),
                     "--cache-clear-mib", str(args.cache_clear_mib), "--gap-ms", str(args.gap_ms)]  # fmt: skip
@@ -366,7 +382,7 @@ def worker_command(args: argparse.Namespace, out: str) -> list[str]:
         command += ["--co-runner"] if args.co_runner else []
         command += ["--deferred", str(args.deferred)] if args.deferred is not None else []
     else:
-        command += ["--shape", *args.shape, "--activations", *args.activations]
+        command += ["--shape", *args.shape]
         command += [] if args.torch else ["--no-torch"]
     return command
 

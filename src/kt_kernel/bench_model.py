@@ -21,9 +21,11 @@ from pathlib import Path
 from .bench_common import (
     DECODE_MAX_TOKENS,
     SHAPES,
+    activations_label,
     bench_group,
     build_label,
     call_inputs,
+    format_modes,
     format_of,
     gguf_bench_tensor,
     gguf_layout,
@@ -41,6 +43,7 @@ class ModelRow:
     variant: str
     shape: str
     format: str
+    activations: str  # "exact", or "int8" for the opt-in int8_activations=True mode
     tokens: int
     layers: int
     weight_sets: int
@@ -211,15 +214,17 @@ def run_model_worker(args: argparse.Namespace) -> dict:
     experts, top_k, hidden, inter = SHAPES[shape]
     between = between_layers(args.cache_clear_mib, args.gap_ms)
     rows: list[ModelRow] = []
-    steps_total, step = len(args.format) * len(args.tokens), 0
-    for fmt in args.format:
-        progress(step, steps_total, f"{label} {shape} {fmt}: building {args.layers} layers")
+    runs = format_modes(args)
+    steps_total, step = len(runs) * len(args.tokens), 0
+    for fmt, mode in runs:
+        name = activations_label(fmt, mode)
+        progress(step, steps_total, f"{label} {shape} {name}: building {args.layers} layers")
         wrappers = [
             KTMoEWrapper(
                 layer_idx=i, num_experts=experts, num_experts_per_tok=top_k, hidden_size=hidden,
                 moe_intermediate_size=inter, gpu_experts_mask=None, cpuinfer_threads=args.threads,
                 threadpool_count=1, weight_path=None, chunked_prefill_size=512, method=format_of(fmt).name,
-                max_deferred_experts_per_token=args.deferred,
+                max_deferred_experts_per_token=args.deferred, int8_activations=mode == "int8",
             )
             for i in range(args.layers)
         ]  # fmt: skip
@@ -232,7 +237,7 @@ def run_model_worker(args: argparse.Namespace) -> dict:
         layers = [wrappers[i % sets] for i in range(args.layers)]
         for tokens in args.tokens:
             progress(
-                step, steps_total, f"{label} {shape} {fmt} T={tokens} ({args.layers} layers, {sets} sets)"
+                step, steps_total, f"{label} {shape} {name} T={tokens} ({args.layers} layers, {sets} sets)"
             )
             step += 1
             decode = tokens <= DECODE_MAX_TOKENS
@@ -255,9 +260,9 @@ def run_model_worker(args: argparse.Namespace) -> dict:
             layer_gbps = statistics.mean(touched) * 3 * hidden * inter * weight_bytes(fmt) / layer_s / 1e9
             rows.append(
                 ModelRow(
-                    variant=label, shape=shape, format=fmt, tokens=tokens, layers=args.layers,
-                    weight_sets=sets, steps=len(inside), step_ms=median * 1e3, step_p10_ms=deciles[0] * 1e3,
-                    step_p90_ms=deciles[-1] * 1e3, layer_ms=layer_s * 1e3,
+                    variant=label, shape=shape, format=fmt, activations=mode, tokens=tokens,
+                    layers=args.layers, weight_sets=sets, steps=len(inside), step_ms=median * 1e3,
+                    step_p10_ms=deciles[0] * 1e3, step_p90_ms=deciles[-1] * 1e3, layer_ms=layer_s * 1e3,
                     single_ms=single * 1e3, ratio=layer_s / single,
                     sync_ms=statistics.median(waiting) / args.layers * 1e3, layer_gbps=layer_gbps,
                     dram_gbps=row_dram, pct_of_dram=100 * layer_gbps / row_dram if row_dram else None,
@@ -283,14 +288,15 @@ def format_model_table(result: dict) -> str:
         f"deferred experts {model['deferred'] if model['deferred'] is not None else 'off'}",
     ]
     header = (
-        f"{'build':<12} {'format':<6} {'T':>4} {'sets':>4} {'step ms':>9} {'p10-p90 ms':>17} {'layer ms':>9} "
+        f"{'build':<12} {'format':<9} {'T':>4} {'sets':>4} {'step ms':>9} {'p10-p90 ms':>17} {'layer ms':>9} "
         f"{'1-layer ms':>10} {'ratio':>6} {'sync ms':>8} {'GB/s':>6} {'DRAM':>5} {'%DRAM':>5} {'threads':>7}"
     )
     lines += ["", header, "-" * len(header)]
 
     for r in result["model_rows"]:
         lines.append(
-            f"{r['variant']:<12} {r['format']:<6} {r['tokens']:>4} {r['weight_sets']:>4} "
+            f"{r['variant']:<12} {activations_label(r['format'], r['activations']):<9} {r['tokens']:>4} "
+            f"{r['weight_sets']:>4} "
             f"{r['step_ms']:>9.2f} {r['step_p10_ms']:>8.2f}-{r['step_p90_ms']:<8.2f} {r['layer_ms']:>9.3f} "
             f"{r['single_ms']:>10.3f} {r['ratio']:>6.2f} {r['sync_ms']:>8.3f} {r['layer_gbps']:>6.1f} "
             f"{opt(r['dram_gbps'], '5.1f'):>5} {opt(r['pct_of_dram'], '5.0f'):>5} {r['threads']:>7}"
@@ -303,5 +309,6 @@ def format_model_table(result: dict) -> str:
         "weight sets, cycled over the layers. "
         "GB/s: distinct expert weights touched per layer / layer ms; %DRAM (T <= 8) against DRAM, the read "
         "measured just before the row.\nthreads: the process's threads once the layers are built."
+        "\n-i8act: the opt-in int8_activations=True mode (lossy on outlier activations)."
     )
     return "\n".join(lines)
