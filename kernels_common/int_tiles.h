@@ -28,6 +28,7 @@ KT_NAMESPACE_BEGIN
 template <class Dot, class Int>
 struct SumsInPlace {
   using Partial = Int;
+  static constexpr bool kPartialsFromZero = false;  // a partial starts at its sum
   static constexpr int lines_per_partial(int) { return 1; }
   static Int begin(Int sum) { return sum; }
   static Int add2(Int sum, const auto& w1, const auto& a1, const auto& w2, const auto& a2) {
@@ -228,6 +229,7 @@ struct MaddubsDot {
   using Weights = Int;
   using Act = Int;
   using Partial = Int;
+  static constexpr bool kPartialsFromZero = true;  // begin() ignores the sum
   static Weights weights(Int line) { return line; }
   static Act activation(const int8_t* values, int j) { return V::set1(load_int8_quad(values + 4 * j)); }
   static constexpr int lines_per_partial(int max_weight) { return 4 * 4 * 128 * max_weight <= INT16_MAX ? 4 : 1; }
@@ -429,12 +431,20 @@ struct IntTiles {
       static_assert(4 % kLinesPerPartial == 0 && kLinesPerStep % kLinesPerPartial == 0);
       static constexpr int kScaleBlock = 8;  // GGUF's scale groups decoded at a time
       static void run(const QuantizedParts<P>* x, const PackedGroups& w, float* y, size_t y_stride) {
-        // Value planes whose scale groups are one step each (Q6_K's, Q3_K's and Q2_K's 16 inputs,
-        // Q5_K's 32): the step loop known to run once (avx2, Q6_K, one token, 3 layer calls:
-        // 107.6 -> 100.9 M instructions).
-        if constexpr (FourBit::kStepLines > 0)
+        // GGUF's scale groups of one step each (Q6_K's, Q3_K's and Q2_K's 16 inputs, Q5_K's 32; Q4_K's
+        // nibbles, 32 inputs, on vpmaddubsw): the step loop known to run once (avx2, Q6_K, one token,
+        // 3 layer calls: 107.6 -> 100.9 M instructions). Not INT4's: a second copy of its tile in the
+        // GEMM made GCC compile its groups of 128 with 19 % more instructions.
+        if constexpr (FourBit::kShifted)
           if (FourBit::inputs_per_scale(w) == 8 * kLinesPerStep) return steps<true>(x, w, y, y_stride);
         steps<false>(x, w, y, y_stride);
+      }
+      // Where token x's sums of scale group s start: minus the weight offset times sum(x) (gemm_tokens).
+      // Values less the lowest (kShifted): the start -128 * sum(x) made lowest * sum(x) (exact: a
+      // multiple of 128, and no larger; divided by a shift, where / took a sign fix-up).
+      static int32_t group_start(const QuantizedParts<P>& x, const PackedGroups& w, int s) {
+        static_assert(kInt8Offset == 1 << 7);
+        return FourBit::kShifted ? (x.group_starts[s] >> 7) * (kInt8Offset - int(w.value_offset)) : x.group_starts[s];
       }
       // kOneStep: each scale group is one step.
       template <bool kOneStep>
@@ -454,18 +464,23 @@ struct IntTiles {
             for (int v = 0; v < kVecs; ++v) zeros[v] = V::load(zero_points(w, v, s));
           // The last part's sums start where the token's group_starts say (gemm_tokens), with
           // P = 2 the row's at 0 (a zero idiom): one broadcast from memory per token.
+          const auto start_of = [&](int p, int v, Int start) {  // part p's start, from the token's
+            if (P == 2 && p == 0) return V::set1(0);
+            return w.zeros != nullptr ? V::mullo_epi32(zeros[v], start) : start;
+          };
+          // Late starts (a group of one step, partials from zero): each sum starts with its group's
+          // first widened partial, so it holds no register through the lines before it (avx2, Q4_K,
+          // one token: four sums kept on the stack through every group's lines).
+          constexpr bool kLateStart = kOneStep && Dot::kPartialsFromZero;
           Int part[M][P][kVecs];
-          KT_UNROLL
-          for (int i = 0; i < M; ++i) {
-            // Values less the lowest (kShifted): the start -128 * sum(x) made lowest * sum(x) (exact:
-            // a multiple of 128, and no larger; divided by a shift, where / took a sign fix-up).
-            static_assert(kInt8Offset == 1 << 7);
-            const Int start = V::set1(FourBit::kShifted
-                                          ? (x[i].group_starts[s] >> 7) * (kInt8Offset - int(w.value_offset))
-                                          : x[i].group_starts[s]);
-            for (int v = 0; v < kVecs; ++v) {
-              if constexpr (P == 2) part[i][0][v] = V::set1(0);
-              part[i][P - 1][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], start) : start;
+          if constexpr (!kLateStart) {
+            KT_UNROLL
+            for (int i = 0; i < M; ++i) {
+              const Int start = V::set1(group_start(x[i], w, s));
+              for (int v = 0; v < kVecs; ++v) {
+                if constexpr (P == 2) part[i][0][v] = V::set1(0);
+                part[i][P - 1][v] = w.zeros != nullptr ? V::mullo_epi32(zeros[v], start) : start;
+              }
             }
           }
           // A do-while (a scale group holds at least one line): GCC 12 keeps the sums of a loop that
@@ -477,7 +492,7 @@ struct IntTiles {
             KT_UNROLL
             for (int i = 0; i < M; ++i)
               for (int p = 0; p < P; ++p)
-                for (int v = 0; v < kVecs; ++v) partial[i][p][v] = Dot::begin(part[i][p][v]);
+                for (int v = 0; v < kVecs; ++v) partial[i][p][v] = Dot::begin(kLateStart ? V::set1(0) : part[i][p][v]);
             // Value planes: the step's low lines and its unit's plane line.
             [[maybe_unused]] PlaneStep at;
             if constexpr (FourBit::kStepLines > 0) at = FourBit::step_at(c);
@@ -538,12 +553,22 @@ struct IntTiles {
                 }
               if ((l + 1) % kLinesPerPartial == 0) {
                 KT_UNROLL
-                for (int i = 0; i < M; ++i)
+                for (int i = 0; i < M; ++i) {
+                  if (kLateStart && l + 1 == kLinesPerPartial) {  // the group's first partial
+                    const Int start = V::set1(group_start(x[i], w, s));
+                    for (int p = 0; p < P; ++p)
+                      for (int v = 0; v < kVecs; ++v) {
+                        part[i][p][v] = Dot::end(start_of(p, v, start), partial[i][p][v]);
+                        partial[i][p][v] = Dot::begin(part[i][p][v]);
+                      }
+                    continue;
+                  }
                   for (int p = 0; p < P; ++p)
                     for (int v = 0; v < kVecs; ++v) {
                       part[i][p][v] = Dot::end(part[i][p][v], partial[i][p][v]);
                       partial[i][p][v] = Dot::begin(part[i][p][v]);
                     }
+                }
               }
             }
           } while (!kOneStep && (c += kLinesPerStep) < (s + 1) * lines_per_scale);
