@@ -30,6 +30,7 @@ void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_
 }
 
 void gemm_gguf(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  if (gemm_gguf_one_token(x, w, y, y_stride)) return;
   gemm_gguf_maddwd<Vec, kFourBitRows, 1, kFourBitTokens, 1>(x, w, y, y_stride);
 }
 
