@@ -42,12 +42,16 @@ def realistic_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator
     return blocks.reshape(rows, -1)
 
 
-def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: int) -> float:
+def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: int, largest=False) -> float:
+    """The layer's relative error against fp64; ``largest``: every block as LARGEST_BLOCKS makes it, on
+    one token whose int8 row and residual sit near -127."""
     rng = np.random.default_rng(sum(map(ord, "".join(types.values()))))
     projections = {}
     for name, type_name in types.items():
         rows, k = (hidden, inter) if name == "down" else (inter, hidden)
         blocks = realistic_blocks(type_name, EXPERTS * rows, k, rng).reshape(EXPERTS, rows, -1)
+        if largest:
+            blocks = largest_blocks(type_name, blocks)
         projections[name] = (type_name, blocks)
     path = tmp_path / "model.gguf"
     decoded = write_layer(path, projections, experts=EXPERTS, hidden=hidden, inter=inter)
@@ -76,9 +80,40 @@ def run_layer(tmp_path, types: dict[str, str], hidden: int, inter: int, tokens: 
     held = {EXPERTS * sum(choice) for choice in itertools.product(*options)}
     assert sum(sp.engine.packed_bytes() for sp in moe._subpools) in held
     x = activations(tokens, hidden, 100)
+    if largest:  # -255/256 of the largest: an int8 row at -127 and a residual near 127
+        x = torch.full((tokens, hidden), -255 / 256)
+        x[:, 0] = 1.0
     ids, weights = routing(tokens, EXPERTS, TOP_K, hot=True)
     exact = [torch.from_numpy(decoded[name]).double() for name in ("gate", "up", "down")]
     return relative_error(moe.forward(x, ids, weights), reference(exact, x, ids, weights))
+
+
+# Byte ranges of a block set to one byte: every value, scale and min multiple at its largest. Q4_K:
+# nibbles 15, 6-bit scale and min multiples 63 (all 12 bytes 0xFF); Q6_K: values 31 (low and high
+# bits all ones), int8 scale multiples -128. Then a byte of values (and Q6_K's of multiples) at the
+# other end, so that they still span the type's range: held as its own. (MXFP4's one-token tile, on
+# the MXFP4 method: test_int_kernels.test_four_bit_sums_at_their_largest.)
+LARGEST_BLOCKS = {
+    "Q4_K": [(4, 144, 0xFF), (16, 17, 0x00)],
+    "Q6_K": [(0, 192, 0xFF), (192, 208, 0x80), (0, 1, 0x00), (128, 129, 0x00), (192, 193, 0x7F)],
+}
+
+
+def largest_blocks(type_name: str, blocks: np.ndarray) -> np.ndarray:
+    block_bytes = BLOCK_TYPES[type_name].block_bytes
+    each = blocks.reshape(-1, block_bytes).copy()
+    for start, end, byte in LARGEST_BLOCKS[type_name]:
+        each[:, start:end] = byte
+    return each.reshape(blocks.shape)
+
+
+@pytest.mark.parametrize("type_name", sorted(LARGEST_BLOCKS))
+def test_one_token_at_the_largest_values_and_multiples(tmp_path, type_name):
+    """The one-token kernels' int16 products and int32 sums at their bounds (avx2 without AVX-VNNI:
+    Q4_K's four lines per int16 lane, widened by 256 x 63; Q6_K's two quads, widened by -128 and
+    summed over a block of 256 inputs), K of whole 256-input blocks, still within the bound."""
+    error = run_layer(tmp_path, dict.fromkeys(("gate", "up", "down"), type_name), 512, 256, 1, largest=True)
+    assert error < BOUND, f"{type_name}: relative error {error:.4%}"
 
 
 @pytest.mark.parametrize("tokens", [1, 24])
