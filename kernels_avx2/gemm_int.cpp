@@ -26,7 +26,6 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 }
 
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (gemm_mxfp4_one_token(x, w, y, y_stride)) return;
   gemm_four_bit_maddwd<Vec, Mxfp4Format<Vec>, kFourBitRows, 1, kFourBitTokens, 1>(x, w, y, y_stride);
 }
 

@@ -1,14 +1,15 @@
 // One token on AVX2 without AVX-VNNI (Zen 2/3, Intel before Alder Lake), exact: the token's row and
-// residual (QuantizedParts<2>) against GGUF's Q4_K (4-bit values, 6-bit factored scales and mins),
-// Q6_K (6-bit value planes, int8 factored scales) and MXFP4, as held (kernels.h). The shared 4-bit
-// tile (int_tiles.h) serves every format and count of tokens; for these it kept more ymm live than
-// there are through a scale group's lines and spilled, converted every group's scale (and min) to
-// fp32, and widened Q6_K's int16 products every line: 294, 206 and 256 instructions per 16 rows x
-// 32, 16 and 32 inputs (callgrind, bench/one_layer.py gguf:q4_k / gguf:q6_k / mxfp4 1 3). Here each
-// group's int16 products are widened by vpmaddwd by the row's 256 (the residual's 1) or, as ggml
-// does, by the group's integer multiple itself; the sums converted and scaled once per group (Q4_K,
-// MXFP4) or per block of 256 inputs (Q6_K); and the mins (Q6_K: the values' offset, lowest x sum(x))
-// taken a block at a time, in int32, after the values.
+// residual (QuantizedParts<2>) against GGUF's Q4_K (4-bit values, 6-bit factored scales and mins) or
+// Q6_K (6-bit value planes, int8 factored scales), as held (kernels.h: GGUF). The shared 4-bit tile
+// (int_tiles.h) serves every format and count of tokens; for these it kept more ymm live than there
+// are through a scale group's lines and spilled, converted every group's scale (and min) to fp32,
+// and widened Q6_K's int16 products every line: 294 and 206 instructions per 16 rows x 32 and 16
+// inputs (callgrind, bench/one_layer.py gguf:q4_k / gguf:q6_k 1 3). Here, as ggml does, each group's
+// int16 products are widened by vpmaddwd by the group's integer multiple itself (the row's by 256
+// times it), the sums converted and multiplied by a factor once per group (Q4_K) or per block of 256
+// inputs (Q6_K), and the mins (Q6_K: the values' offset, lowest x sum(x)) taken a block at a time,
+// in int32, after the values. (MXFP4 in a tile of this kind took 27 % fewer instructions but no less
+// time: docs/perf-log/2026-11-30-zen4-one-token-tiles.md.)
 #include "vec.h"
 
 KT_NAMESPACE_BEGIN
@@ -210,58 +211,6 @@ struct Q6kTokenTile {
   }
 };
 
-// MXFP4: one token x 16 rows. A 32-input block is 4 nibble lines of E2M1 codes, looked up as 2v + 12
-// (0..24: two lines' products per int16 lane, 2 x 2 x 24 x 128), its sum scaled by its E8M0 scale.
-template <int M, int NV>
-struct Mxfp4TokenTile {
-  static_assert(M == 1 && NV == 1);
-  using Format = Mxfp4Format<Vec>;
-  static void run(const QuantizedParts<2>* x, const PackedGroups& w, float* y, size_t) {
-    const int8_t* parts[2] = {x->part[0].values, x->part[1].values};
-    const int32_t* starts = x->group_starts;  // -12 x the block's sum(x), 256 x the row's + the residual's
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-    const __m256i widen[2] = {_mm256_set1_epi16(256), _mm256_set1_epi16(1)};  // the row's, the residual's
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    const uint8_t* lines = w.values;
-    const WeightPrefetch ahead = weight_prefetch(w, 0, lines);
-    const int blocks = w.k / kMxfp4Block;
-    for (int s = 0; s < blocks; ++s, lines += 4 * kMxfp4ChunkBytes) {
-      // Per block at most 32 x 24 x 32,639 < 2^25 in int32 (rounded in fp32 above 2^24: 6e-8).
-      __m256i sums[2] = {_mm256_set1_epi32(starts[s]), _mm256_set1_epi32(starts[s])};
-      __m256i partial[2][2];  // [row, residual][rows 0-7, 8-15]: two lines' products
-      KT_UNROLL
-      for (int l = 0; l < 4; ++l) {
-        ahead(lines + 64 * l);
-        __m256i low[2], high[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 64 * l + 32 * h));
-          low[h] = Format::low_values(raw, low_nibbles);
-          high[h] = Format::low_values(_mm256_srli_epi32(raw, 4), low_nibbles);
-        }
-        for (int p = 0; p < 2; ++p) {
-          const __m256i a_low = _mm256_set1_epi32(load_int8_quad(parts[p] + 32 * s + 8 * l));
-          const __m256i a_high = _mm256_set1_epi32(load_int8_quad(parts[p] + 32 * s + 8 * l + 4));
-          for (int h = 0; h < 2; ++h) {
-            const __m256i products =
-                _mm256_add_epi16(_mm256_maddubs_epi16(low[h], a_low), _mm256_maddubs_epi16(high[h], a_high));
-            partial[p][h] = l % 2 == 0 ? products : _mm256_add_epi16(partial[p][h], products);
-          }
-        }
-        if (l % 2 == 1)
-          for (int h = 0; h < 2; ++h) {
-            sums[h] = _mm256_add_epi32(sums[h], _mm256_add_epi32(_mm256_madd_epi16(partial[0][h], widen[0]),
-                                                                 _mm256_madd_epi16(partial[1][h], widen[1])));
-            asm("" : "+x"(sums[h]));  // as Q4_K's partials
-          }
-      }
-      for (int h = 0; h < 2; ++h)
-        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h]), Format::scale(w, w.scales, s, 8 * h), acc[h]);
-    }
-    const __m256 x_scale = _mm256_set1_ps(x->part[1].scale * Format::kValueScale * w.scale_factor);
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + 8 * h, _mm256_mul_ps(acc[h], x_scale));
-  }
-};
-
 // The one-token tile for w's held form, run as gemm_four_bit runs its tiles.
 template <template <int, int> class Tile, class Format>
 void gemm_one_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
@@ -289,12 +238,6 @@ bool gemm_gguf_one_token(const Activations& x, const PackedGroups& w, float* y, 
     return true;
   }
   return false;
-}
-
-bool gemm_mxfp4_one_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (x.quantized.parts != 2 || x.rows != 2 || !pairs_fit<Mxfp4Format<Vec>>(w)) return false;
-  gemm_one_token<Mxfp4TokenTile, Mxfp4Format<Vec>>(x, w, y, y_stride);
-  return true;
 }
 
 }  // namespace avx2
