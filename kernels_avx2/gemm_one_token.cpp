@@ -5,9 +5,9 @@
 // are through a scale group's lines and spilled, converted every group's scale (and min) to fp32,
 // and widened Q6_K's int16 products every line: 294 and 206 instructions per 16 rows x 32 and 16
 // inputs (callgrind, bench/one_layer.py gguf:q4_k / gguf:q6_k 1 3). Here, as ggml does, each group's
-// int16 products are widened by vpmaddwd by the group's integer multiple itself (the row's by 256
+// int16 products are widened by vpmaddwd by the group's integer multiple itself (Q4_K's row by 256
 // times it), the sums converted and multiplied by a factor once per group (Q4_K) or per block of 256
-// inputs (Q6_K), and the mins (Q6_K: the values' offset, lowest x sum(x)) taken a block at a time,
+// inputs (Q6_K: the row's and the residual's apart), and the mins (Q6_K: the values' offset, lowest x sum(x)) taken a block at a time,
 // in int32, after the values. (MXFP4 in a tile of this kind took 27 % fewer instructions but no less
 // time: docs/perf-log/2026-11-30-zen4-one-token-tiles.md.)
 #include "vec.h"
