@@ -92,3 +92,32 @@ def test_import_and_forward_under_emulated_haswell():
     if "avx512f" in open("/proc/cpuinfo").read():  # the loader was misled, and recovered
         assert "the avx512 build failed to load" in result.stderr
         assert "CPUID lacks avx512f" in result.stderr
+
+
+@pytest.mark.skipif(QEMU is None, reason="qemu-user is not installed (apt-get install qemu-user)")
+def test_one_token_k_quant_tiles_under_emulated_haswell():
+    """The avx2 build's one-token Q4_K and Q6_K tiles (plain AVX2: Haswell has no AVX-VNNI) on a CPU
+    without AVX512: the GGUF accuracy cases that reach them, their largest sums included, pass there."""
+    pytest.importorskip("gguf")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")}
+    env["KT_KERNEL_CPU_VARIANT"] = "avx2"
+    cases = "largest or (Q4_K and 1) or (Q6_K and 1) or (q4_k_m and 1)"
+    pytest_args = [
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        cases,
+        str(REPO / "tests/test_gguf_accuracy.py"),
+    ]
+    result = subprocess.run(
+        [QEMU, "-cpu", "Haswell-v4", sys.executable, *pytest_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-1000:]
