@@ -7,9 +7,9 @@
 // inputs (callgrind, bench/one_layer.py gguf:q4_k / gguf:q6_k 1 3). Here, as ggml does, each group's
 // int16 products are widened by vpmaddwd by the group's integer multiple itself (Q4_K's row by 256
 // times it), the sums converted and multiplied by a factor once per group (Q4_K) or per block of 256
-// inputs (Q6_K: the row's and the residual's apart), and the mins (Q6_K: the values' offset, lowest x sum(x)) taken a block at a time,
-// in int32, after the values. (MXFP4 in a tile of this kind took 27 % fewer instructions but no less
-// time: docs/perf-log/2026-11-30-zen4-one-token-tiles.md.)
+// inputs (Q6_K: the row's and the residual's apart), and the mins (Q6_K: the values' offset, lowest x
+// sum(x)) taken a block at a time, in int32, after the values. (MXFP4 in a tile of this kind took
+// 27 % fewer instructions but no less time: docs/perf-log/2026-11-30-zen4-one-token-tiles.md.)
 #include "vec.h"
 
 KT_NAMESPACE_BEGIN
@@ -51,9 +51,10 @@ inline __m256i six_bit_multiples(const uint8_t* bytes, int h) {
   return _mm256_and_si256(fields, _mm256_set1_epi32(kPairs ? 0x003F003F : 63));
 }
 
-inline __m256 factors(const PackedGroups& w, const uint8_t* at_index_base, unsigned index) {
-  return w.half_factors ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at_index_base + 2 * index)))
-                        : _mm256_loadu_ps(reinterpret_cast<const float*>(at_index_base) + index);
+// 8 rows' factors from entry index `index` on (fp16 or fp32: GgufFormat::block's).
+inline __m256 factors(const PackedGroups& w, const uint8_t* factor_base, unsigned index) {
+  return w.half_factors ? Vec::half_to_float(factor_base + 2 * index)
+                        : Vec::loadu_ps(reinterpret_cast<const float*>(factor_base) + index);
 }
 
 // Q4_K: one token x 16 rows (gemm_tiled's tile: M = NV = 1).
@@ -61,8 +62,7 @@ template <int M, int NV>
 struct Q4kTokenTile {
   static_assert(M == 1 && NV == 1);
   static void run(const QuantizedParts<2>* x, const PackedGroups& w, float* y, size_t) {
-    const int8_t* row = x->part[0].values;
-    const int8_t* residual = x->part[1].values;
+    const int8_t* parts[2] = {x->part[0].values, x->part[1].values};  // the row, its residual
     const int32_t* starts = x->group_starts;  // -128 x the group's sum(x), 256 x the row's + the residual's
     const uint8_t* multiples = w.scales + w.multiples_at;
     const uint8_t* factor_base = w.scales + w.factors_at;
@@ -85,7 +85,6 @@ struct Q4kTokenTile {
             low[h] = _mm256_and_si256(raw, low_nibbles);
             high[h] = _mm256_and_si256(_mm256_srli_epi32(raw, 4), low_nibbles);
           }
-          const int8_t* parts[2] = {row, residual};
           for (int p = 0; p < 2; ++p) {
             const __m256i a_low = _mm256_set1_epi32(load_int8_quad(parts[p] + 8 * (c0 + l)));
             const __m256i a_high = _mm256_set1_epi32(load_int8_quad(parts[p] + 8 * (c0 + l) + 4));
