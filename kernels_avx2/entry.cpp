@@ -50,11 +50,12 @@ KernelInfo kernel_info() {
       "fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)";
   const char* int8 = avx_vnni() ? "avx2 avx_vnni (vpdpbusd)" : "avx2 (vpmaddwd on int16 activations)";
   // GGUF's values are multiplied as INT8's, nibbles of 16 consecutive levels as INT4's (int_tiles.h);
-  // one token of Q4_K or Q6_K by a tile of its own (gemm_one_token.cpp).
+  // up to 3 tokens of Q4_K or 2 of Q6_K by a one-token tile of its own (gemm_one_token.cpp).
   const char* gguf = avx_vnni() ? int8
                                 : "avx2 (vpmaddwd on int16 activations; nibbles of 16 consecutive levels: "
-                                  "vpmaddubsw on int8 rows for one token or int8_activations; one token of "
-                                  "Q4_K or Q6_K: vpmaddubsw, widened by the scale's integer multiple)";
+                                  "vpmaddubsw on int8 rows for one token or int8_activations; up to 3 tokens "
+                                  "of Q4_K, 2 of Q6_K: a token at a time, vpmaddubsw widened by the scale's "
+                                  "integer multiple)";
   return {.isa = "avx2",
           .bf16_path = "avx2 (bf16->fp32, fma)",
           .mxfp4_path = avx_vnni() ? "avx2 (E2M1 -> integers by vpshufb, int8 rows, avx_vnni (vpdpbusd))"

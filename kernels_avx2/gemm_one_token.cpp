@@ -1,4 +1,4 @@
-// One token on AVX2 without AVX-VNNI (Zen 2/3, Intel before Alder Lake), exact: the token's row and
+// A token at a time on AVX2 without AVX-VNNI (Zen 2/3, Intel before Alder Lake), exact: the token's row and
 // residual (QuantizedParts<2>) against GGUF's Q4_K (4-bit values, 6-bit factored scales and mins) or
 // Q6_K (6-bit value planes, int8 factored scales), as held (kernels.h: GGUF). The shared 4-bit tile
 // (int_tiles.h) serves every format and count of tokens; for these it kept more ymm live than there
@@ -210,30 +210,45 @@ struct Q6kTokenTile {
   }
 };
 
-// The one-token tile for w's held form, run as gemm_four_bit runs its tiles.
+// Token t of x through the one-token tile for w's held form, run as gemm_four_bit runs its tiles.
+// Not inlined into the loop over tokens: there GCC 12 compiled the tile with 1.7 % more instructions.
 template <template <int, int> class Tile, class Format>
-void gemm_one_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+[[gnu::noinline]] void gemm_token(const Activations& x, int t, const PackedGroups& w, float* y, size_t y_stride) {
   using Tiles = IntTiles<Vec, MaddubsDot<Vec>, Format>;
   Tiles::template gemm_tokens<Tile, 1, 1, 2>(
-      [&](int) { return QuantizedParts<2>{{x.quantized_row(0), x.quantized_row(1)}}; }, 1, w, y, 2 * y_stride,
-      reinterpret_cast<int32_t*>(x.scratch));
+      [&](int) { return QuantizedParts<2>{{x.quantized_row(2 * t), x.quantized_row(2 * t + 1)}}; }, 1, w,
+      y + 2 * t * y_stride, 2 * y_stride, reinterpret_cast<int32_t*>(x.scratch));
+}
+
+// Each token in turn: the second reads the call's rows (at most 74 KB) from L2.
+template <template <int, int> class Tile, class Format>
+void gemm_token_by_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
+  for (int t = 0; t < x.rows / 2; ++t) gemm_token<Tile, Format>(x, t, w, y, y_stride);
   zero_residual_outputs(x, w, y, y_stride);
 }
 
 }  // namespace
 
 bool gemm_gguf_one_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
-  if (x.quantized.parts != 2 || x.rows != 2 || !w.factored_scales || w.e4m3_scales || w.k % kGgufBlockInputs != 0)
-    return false;
+  // Up to how many tokens a call takes these tiles, a token at a time, rather than the shared tile of
+  // widened tokens (MaddwdDot), which decodes each line once for all of them. Callgrind, 3 layer
+  // calls of 8 experts (bench/one_layer.py), millions of instructions, these tiles against the shared:
+  // Q4_K at 2, 3, 4 tokens 78.5, 117.7, 159.6 against 104.0, 130.8, 158.2; Q6_K at 2 and 3 tokens
+  // 121.8 and 182.8 against 134.2 and 165.3.
+  constexpr int kQ4kTokens = 3, kQ6kTokens = 2;
+  if (x.quantized.parts != 2 || !w.factored_scales || w.e4m3_scales || w.k % kGgufBlockInputs != 0) return false;
+  const int tokens = x.rows / 2;
   // Q4_K: the values 0..15 (levels 0..15, + 128), 6-bit unsigned multiples of scales and mins.
-  if (w.levels != nullptr && consecutive_levels(w.levels) && uint8_t(w.levels[0]) == kInt8Offset &&
-      w.scale_group == 32 && w.mins && w.multiple_bits == 6 && w.multiple_bias == 0) {
-    gemm_one_token<Q4kTokenTile, GgufNibbleFormat<Vec>>(x, w, y, y_stride);
+  if (tokens <= kQ4kTokens && w.levels != nullptr && consecutive_levels(w.levels) &&
+      uint8_t(w.levels[0]) == kInt8Offset && w.scale_group == 32 && w.mins && w.multiple_bits == 6 &&
+      w.multiple_bias == 0) {
+    gemm_token_by_token<Q4kTokenTile, GgufNibbleFormat<Vec>>(x, w, y, y_stride);
     return true;
   }
   // Q6_K: 6-bit value planes, int8 multiples of the scales, no mins.
-  if (w.levels == nullptr && w.value_bits == 6 && w.scale_group == 16 && !w.mins && w.multiple_bits == 8) {
-    gemm_one_token<Q6kTokenTile, GgufPlanarFormat<Vec, 6>>(x, w, y, y_stride);
+  if (tokens <= kQ6kTokens && w.levels == nullptr && w.value_bits == 6 && w.scale_group == 16 && !w.mins &&
+      w.multiple_bits == 8) {
+    gemm_token_by_token<Q6kTokenTile, GgufPlanarFormat<Vec, 6>>(x, w, y, y_stride);
     return true;
   }
   return false;
