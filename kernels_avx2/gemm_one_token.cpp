@@ -1,15 +1,16 @@
-// A token at a time on AVX2 without AVX-VNNI (Zen 2/3, Intel before Alder Lake), exact: the token's row and
-// residual (QuantizedParts<2>) against GGUF's Q4_K (4-bit values, 6-bit factored scales and mins) or
-// Q6_K (6-bit value planes, int8 factored scales), as held (kernels.h: GGUF). The shared 4-bit tile
-// (int_tiles.h) serves every format and count of tokens; for these it kept more ymm live than there
-// are through a scale group's lines and spilled, converted every group's scale (and min) to fp32,
-// and widened Q6_K's int16 products every line: 294 and 206 instructions per 16 rows x 32 and 16
-// inputs (callgrind, bench/one_layer.py gguf:q4_k / gguf:q6_k 1 3). Here, as ggml does, each group's
-// int16 products are widened by vpmaddwd by the group's integer multiple itself (Q4_K's row by 256
-// times it), the sums converted and multiplied by a factor once per group (Q4_K) or per block of 256
-// inputs (Q6_K: the row's and the residual's apart), and the mins (Q6_K: the values' offset, lowest x
-// sum(x)) taken a block at a time, in int32, after the values. (MXFP4 in a tile of this kind took
-// 27 % fewer instructions but no less time: docs/perf-log/2026-11-30-zen4-one-token-tiles.md.)
+// Q4_K and Q6_K a token at a time on AVX2 without AVX-VNNI (Zen 2/3, Intel before Alder Lake),
+// exact: the token's row and residual (QuantizedParts<2>) against GGUF's Q4_K (4-bit values, 6-bit
+// factored scales and mins) or Q6_K (6-bit value planes, int8 factored scales), as held (kernels.h:
+// GGUF). The shared 4-bit tile (int_tiles.h) serves every format and count of tokens; for these it
+// kept more ymm live than there are through a scale group's lines and spilled, converted every
+// group's scale (and min) to fp32, and widened Q6_K's int16 products every line: 294 and 206
+// instructions per 16 rows x 32 and 16 inputs (callgrind, bench/one_layer.py gguf:q4_k / gguf:q6_k
+// 1 3). Here, as ggml does, each group's int16 products are widened by vpmaddwd by the group's
+// integer multiple itself (Q4_K's row by 256 times it), the sums converted and multiplied by a factor
+// once per group (Q4_K) or per block of 256 inputs (Q6_K: the row's and the residual's apart), and the
+// mins (Q6_K: the values' offset, lowest x sum(x)) taken a block at a time, in int32, after the
+// values. (MXFP4 in a tile of this kind took 27 % fewer instructions but no less time:
+// docs/perf-log/2026-11-30-zen4-one-token-tiles.md.)
 #include "vec.h"
 
 KT_NAMESPACE_BEGIN

@@ -18,8 +18,9 @@ void gemm_int4(const Activations& x, const PackedGroups& w, float* y, size_t y_s
 void gemm_mxfp4(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);  // gemm_int.cpp
 void gemm_gguf(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);   // gemm_int.cpp
 void gemm_fp8(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);    // gemm_fp8.cpp
-// One token of GGUF's Q4_K or Q6_K with exact activations (gemm_one_token.cpp); false where x or w
-// is not of that form, or has more tokens than these tiles serve faster.
+// GGUF's Q4_K or Q6_K with exact activations, a token at a time through one-token tiles
+// (gemm_one_token.cpp); false where x or w is not of that form, or x has more tokens than they serve
+// faster than the shared tile.
 bool gemm_gguf_one_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride);
 double peak_probe(PeakOp op, int64_t iterations);                                         // peak_probe.cpp
 // The integer formats on vpdpbusd (AVX-VNNI), in vpdpbusd_avx.cpp (-mavxvnni): called only after CPUID

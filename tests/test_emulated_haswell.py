@@ -75,17 +75,21 @@ print("INT8 PATH", kt_kernel.cpu_info()["kernels"]["int8_path"])
 """
 
 
-@pytest.mark.skipif(QEMU is None, reason="qemu-user is not installed (apt-get install qemu-user)")
-def test_import_and_forward_under_emulated_haswell():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")}
-    env["PYTHONPATH"] = str(REPO / "tests")
-    result = subprocess.run(
-        [QEMU, "-cpu", "Haswell-v4", sys.executable, "-c", SCRIPT],
+def run_as_haswell(*python_args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    """This Python under qemu's Haswell (no AVX512, no AVX-VNNI), without the caller's KT_KERNEL_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")} | env_vars
+    return subprocess.run(
+        [QEMU, "-cpu", "Haswell-v4", sys.executable, *python_args],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.skipif(QEMU is None, reason="qemu-user is not installed (apt-get install qemu-user)")
+def test_import_and_forward_under_emulated_haswell():
+    result = run_as_haswell("-c", SCRIPT, PYTHONPATH=str(REPO / "tests"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "VARIANT avx2 avx2" in result.stdout
     assert "INT8 PATH avx2 (vpmaddwd" in result.stdout  # no AVX-VNNI in CPUID: the plain integer path
@@ -100,25 +104,10 @@ def test_one_token_k_quant_tiles_under_emulated_haswell():
     without AVX512: the GGUF accuracy cases that reach them (their largest sums, and a few tokens per
     expert, included) pass there."""
     pytest.importorskip("gguf")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_KERNEL_")}
-    env["KT_KERNEL_CPU_VARIANT"] = "avx2"
     cases = "largest or few_tokens or (Q4_K and 1) or (Q6_K and 1) or (q4_k_m and 1)"
-    pytest_args = [
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        cases,
-        str(REPO / "tests/test_gguf_accuracy.py"),
-    ]
-    result = subprocess.run(
-        [QEMU, "-cpu", "Haswell-v4", sys.executable, *pytest_args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    test_file = str(REPO / "tests/test_gguf_accuracy.py")
+    result = run_as_haswell(
+        "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", cases, test_file, KT_KERNEL_CPU_VARIANT="avx2"
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-1000:]
