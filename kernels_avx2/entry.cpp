@@ -50,10 +50,10 @@ KernelInfo kernel_info() {
       "fp16 by shifts, F16C to fp32; more rows: E4M3 -> bf16 arithmetically; fp32 fma)";
   const char* int8 = avx_vnni() ? "avx2 avx_vnni (vpdpbusd)" : "avx2 (vpmaddwd on int16 activations)";
   // GGUF's values are multiplied as INT8's, nibbles of 16 consecutive levels as INT4's (int_tiles.h);
-  // up to 3 tokens of Q4_K or 2 of Q6_K by a one-token tile of its own (gemm_one_token.cpp).
+  // up to 4 tokens of Q4_K or 2 of Q6_K by a one-token tile of its own (gemm_one_token.cpp).
   const char* gguf = avx_vnni() ? int8
                                 : "avx2 (vpmaddwd on int16 activations; nibbles of 16 consecutive levels: "
-                                  "vpmaddubsw on int8 rows for one token or int8_activations; up to 3 tokens "
+                                  "vpmaddubsw on int8 rows for one token or int8_activations; up to 4 tokens "
                                   "of Q4_K, 2 of Q6_K: a token at a time, vpmaddubsw widened by the scale's "
                                   "integer multiple)";
   return {.isa = "avx2",

@@ -52,6 +52,26 @@ inline __m256i six_bit_multiples(const uint8_t* bytes, int h) {
   return _mm256_and_si256(fields, _mm256_set1_epi32(kPairs ? 0x003F003F : 63));
 }
 
+// A one-token tile's weights are read once (gemm_tiled's decode pass): into L2, weight_prefetch's
+// distance ahead of the block's lines. The tile steps this pointer along its own, so that each
+// prefetch is one instruction at a fixed offset from it (GCC kept one register, then stack slot, per
+// line's distance from the weights' pointer instead).
+inline const uint8_t* prefetch_start(const PackedGroups& w, const uint8_t* block_lines) {
+  return block_lines + weight_prefetch(w, 0, block_lines).distance;
+}
+inline void prefetch_to_l2(const uint8_t* at) { _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1); }
+
+// The int32 at `p` in every lane, by one load (vbroadcastss).
+inline __m256i broadcast_int32(const int32_t* p) {
+  return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p)));
+}
+
+// Scale group s's entry e (0: scales, 1: mins) of 16 six-bit multiples, gguf_entry_index's in bytes:
+// written so that GCC sees a whole number of entries, and steps a pointer by constants.
+inline const uint8_t* six_bit_entry(const uint8_t* multiples, int s, int e) {
+  return multiples + size_t(gguf_entry_index(s, e, true) / kGroupRows) * (kGroupRows * 6 / 8);
+}
+
 // 8 rows' factors from entry index `index` on (fp16 or fp32: GgufFormat::block's).
 inline __m256 factors(const PackedGroups& w, const uint8_t* factor_base, unsigned index) {
   return w.half_factors ? Vec::half_to_float(factor_base + 2 * index)
@@ -72,14 +92,14 @@ struct Q4kTokenTile {
     const int blocks = w.k / kGgufBlockInputs;
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* lines = w.values + size_t(b) * kBlockGroups * kGroupLines * 64;
-      const WeightPrefetch ahead = weight_prefetch(w, 0, lines);
+      const uint8_t* ahead = prefetch_start(w, lines);
       const unsigned factor_at = unsigned(gguf_factor_index(b * kBlockGroups, 0, 32, true));
       const __m256 scale_factor[2] = {factors(w, factor_base, factor_at), factors(w, factor_base, factor_at + 8)};
-      for (int g = 0; g < kBlockGroups; ++g, lines += kGroupLines * 64) {
+      for (int g = 0; g < kBlockGroups; ++g, lines += kGroupLines * 64, ahead += kGroupLines * 64) {
         const int s = b * kBlockGroups + g, c0 = s * kGroupLines;
         __m256i partial[2][2];  // [row, residual][rows 0-7, 8-15]: int16, 4 lines' products (MaddubsDot)
         for (int l = 0; l < kGroupLines; ++l) {
-          ahead(lines + 64 * l);
+          prefetch_to_l2(ahead + 64 * l);
           __m256i low[2], high[2];  // the line's inputs 8c..8c+3 and 8c+4..8c+7
           for (int h = 0; h < 2; ++h) {
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lines + 64 * l + 32 * h));
@@ -102,7 +122,7 @@ struct Q4kTokenTile {
         }
         // Widened by the multiple m (the row's by 256 m <= 16,128): at most 2 x 30,720 x 16,128 +
         // 2 x 30,720 x 63 < 2^30 in int32. Its fp32 conversion rounds above 2^24 (a relative 6e-8).
-        const uint8_t* entry = multiples + size_t(gguf_entry_index(s, 0, true)) * 6 / 8;
+        const uint8_t* entry = six_bit_entry(multiples, s, 0);
         for (int h = 0; h < 2; ++h) {
           const __m256i m = six_bit_multiples<true>(entry, h);
           const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(partial[0][h], _mm256_slli_epi16(m, 8)),
@@ -115,8 +135,8 @@ struct Q4kTokenTile {
       __m256i mins[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       for (int g = 0; g < kBlockGroups; ++g) {
         const int s = b * kBlockGroups + g;
-        const __m256i minus_sum = _mm256_set1_epi32(starts[s] >> 7);
-        const uint8_t* entry = multiples + size_t(gguf_entry_index(s, 1, true)) * 6 / 8;
+        const __m256i minus_sum = _mm256_srai_epi32(broadcast_int32(starts + s), 7);
+        const uint8_t* entry = six_bit_entry(multiples, s, 1);
         for (int h = 0; h < 2; ++h)
           mins[h] = _mm256_add_epi32(mins[h], _mm256_mullo_epi32(six_bit_multiples<false>(entry, h), minus_sum));
         for (int h = 0; h < 2; ++h) asm("" : "+x"(mins[h]));  // as the lines': no decode run ahead and spilled
@@ -148,18 +168,16 @@ struct Q6kTokenTile {
     const int blocks = w.k / kGgufBlockInputs;
     for (int b = 0; b < blocks; ++b) {
       const uint8_t* unit = w.values + size_t(b) * kGroups * kUnitBytes;
-      const WeightPrefetch ahead = weight_prefetch(w, 0, unit);
+      const uint8_t* ahead = prefetch_start(w, unit);
       // Per block at most 16 groups x 2 x 2 x 32,256 x 128 < 2^29 in int32: [row, residual][rows 0-7, 8-15].
       __m256i sums[2][2] = {};
-      for (int g = 0; g < kGroups; ++g, unit += kUnitBytes) {
+      for (int g = 0; g < kGroups; ++g, unit += kUnitBytes, ahead += kUnitBytes) {
         const int s = b * kGroups + g;
-        for (int l = 0; l < 3; ++l) ahead(unit + 64 * l);
-        // The 16 rows' multiples as int16 pairs (m, m): rows 0-7 and 8-15.
-        const __m256i m16 =
-            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(multiples + s * kGroupRows)));
-        const __m256i low_pairs = _mm256_unpacklo_epi16(m16, m16), high_pairs = _mm256_unpackhi_epi16(m16, m16);
-        const __m256i m[2] = {_mm256_permute2x128_si256(low_pairs, high_pairs, 0x20),
-                              _mm256_permute2x128_si256(low_pairs, high_pairs, 0x31)};
+        for (int l = 0; l < 3; ++l) prefetch_to_l2(ahead + 64 * l);
+        // The 16 rows' multiples as int16 pairs (m, m): rows 0-7 and 8-15, each byte doubled and widened.
+        const __m128i m8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(multiples + s * kGroupRows));
+        const __m256i m[2] = {_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(m8, m8)),
+                              _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(m8, m8))};
         for (int line = 0; line < 2; ++line) {  // quads 2 line, 2 line + 1: at most 2 x 2 x 63 x 128 in int16
           __m256i a[2][2];
           for (int p = 0; p < 2; ++p)
@@ -187,15 +205,15 @@ struct Q6kTokenTile {
       // The values' offset: lowest x sum(x) per group, times its multiple (at most 16 x 128 x 16 x
       // 32,639 < 2^31); starts hold -128 x sum(x).
       __m256i offsets[2] = {};
-      for (int g = 0; g < kGroups; ++g) {
+      KT_UNROLL for (int g = 0; g < kGroups; ++g) {
         const int s = b * kGroups + g;
-        const __m256i minus_sum = _mm256_set1_epi32(starts[s] >> 7);
+        const __m256i minus_sum = _mm256_srai_epi32(broadcast_int32(starts + s), 7);
         for (int h = 0; h < 2; ++h) {
           const __m256i m = _mm256_cvtepi8_epi32(
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(multiples + s * kGroupRows + 8 * h)));
           offsets[h] = _mm256_add_epi32(offsets[h], _mm256_mullo_epi32(m, minus_sum));
         }
-        for (int h = 0; h < 2; ++h) asm("" : "+x"(offsets[h]));
+        for (int h = 0; h < 2; ++h) asm("" : "+x"(offsets[h]));  // no group's loads hoisted and spilled
       }
       const unsigned factor_at = unsigned(gguf_factor_index(b * kGroups, 0, 16, false));
       for (int h = 0; h < 2; ++h) {  // the row's sums at 256 x the residual's scale
@@ -233,10 +251,10 @@ void gemm_token_by_token(const Activations& x, const PackedGroups& w, float* y, 
 bool gemm_gguf_one_token(const Activations& x, const PackedGroups& w, float* y, size_t y_stride) {
   // Up to how many tokens a call takes these tiles, a token at a time, rather than the shared tile of
   // widened tokens (MaddwdDot), which decodes each line once for all of them. Callgrind, 3 layer
-  // calls of 8 experts (bench/one_layer.py), millions of instructions, these tiles against the shared:
-  // Q4_K at 2, 3, 4 tokens 78.5, 117.7, 159.6 against 104.0, 130.8, 158.2; Q6_K at 2 and 3 tokens
-  // 121.8 and 182.8 against 134.2 and 165.3.
-  constexpr int kQ4kTokens = 3, kQ6kTokens = 2;
+  // calls of 8 experts (bench/one_layer.py, forward_worker), millions of instructions, these tiles
+  // against the shared: Q4_K at 4 and 5 tokens 150.9 and 188.6 against 160.5 and 188.9; Q6_K at 2
+  // and 3 tokens 111.4 and 167.0 against 135.4 and 167.0.
+  constexpr int kQ4kTokens = 4, kQ6kTokens = 2;
   if (x.quantized.parts != 2 || !w.factored_scales || w.e4m3_scales || w.k % kGgufBlockInputs != 0) return false;
   const int tokens = x.rows / 2;
   // Q4_K: the values 0..15 (levels 0..15, + 128), 6-bit unsigned multiples of scales and mins.

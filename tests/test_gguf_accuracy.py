@@ -116,10 +116,11 @@ def test_one_token_at_the_largest_values_and_multiples(tmp_path, type_name):
     assert error < BOUND, f"{type_name}: relative error {error:.4%}"
 
 
-@pytest.mark.parametrize("tokens", [2, 3])
+@pytest.mark.parametrize("tokens", [2, 3, 4, 5])
 def test_q4_k_m_with_a_few_tokens_per_expert(tmp_path, tokens):
-    """Expert 0 gets every token: on avx2 without AVX-VNNI, Q4_K's 2 and 3 and Q6_K's 2 run the
-    one-token tiles a token at a time, Q6_K's 3 the shared tile of widened tokens."""
+    """Expert 0 gets every token: on avx2 without AVX-VNNI, Q4_K's 2 to 4 and Q6_K's 2 run the
+    one-token tiles a token at a time, Q6_K's 3 and more and Q4_K's 5 the shared tile of widened
+    tokens."""
     error = run_layer(tmp_path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, 512, 256, tokens)
     assert error < BOUND, f"relative error {error:.4%}"
 
